@@ -1,0 +1,182 @@
+"""A small character-level GPT trained on the Python standard library's own source.
+
+nanoGPT-style: a corpus, a datamodule, a transformer block and a LightningModule.
+The transformer blocks live in one ``nn.Sequential`` (``GPT.blocks``), the part a
+pipeline strategy cuts into stages.
+"""
+
+import importlib.util
+
+import lightning as L
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+
+class StdlibCorpus:
+    """Concatenated source of pure-Python stdlib modules (~580 KB); no download needed."""
+
+    MODULES: tuple[str, ...] = (
+        "textwrap", "string", "difflib", "argparse", "calendar", "json.decoder",
+        "json.encoder", "configparser", "fractions", "heapq", "bisect", "shlex",
+        "csv", "pprint", "functools", "statistics", "random", "cmd", "queue",
+    )
+
+    def __init__(self) -> None:
+        parts = []
+        for name in self.MODULES:
+            with open(importlib.util.find_spec(name).origin, encoding="utf-8") as f:
+                parts.append(f.read())
+        self.text: str = "\n".join(parts)
+        self.chars: list[str] = sorted(set(self.text))
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        data = torch.tensor(self.encode(self.text), dtype=torch.long)
+        n = int(0.9 * len(data))
+        self.train_data: torch.Tensor = data[:n]
+        self.val_data: torch.Tensor = data[n:]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, s: str) -> list[int]:
+        return [self.stoi[c] for c in s]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+
+class RandomBlocks(Dataset):
+    """``num_samples`` (x, y) windows at random offsets; item i depends only on (seed, i)."""
+
+    def __init__(self, data: torch.Tensor, block_size: int, num_samples: int, seed: int) -> None:
+        self.data = data
+        self.block_size = block_size
+        g = torch.Generator().manual_seed(seed)
+        self.offsets = torch.randint(len(data) - block_size, (num_samples,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        o = int(self.offsets[i])
+        chunk = self.data[o : o + self.block_size + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class CharDataModule(L.LightningDataModule):
+    """Random character windows from ``StdlibCorpus``, identical in every process with the same seed."""
+
+    def __init__(self, block_size: int = 64, batch_size: int = 16, num_batches: int = 10_000, seed: int = 0) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.num_batches = num_batches
+        self.seed = seed
+        self.corpus = StdlibCorpus()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.corpus.vocab_size
+
+    def train_dataloader(self) -> DataLoader:
+        ds = RandomBlocks(self.corpus.train_data, self.block_size, self.num_batches * self.batch_size, self.seed)
+        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0)
+
+    def val_dataloader(self) -> DataLoader:
+        num_samples = max(1, self.num_batches // 10) * self.batch_size
+        ds = RandomBlocks(self.corpus.val_data, self.block_size, num_samples, self.seed)
+        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal self-attention then MLP, each with a residual."""
+
+    def __init__(self, d_model: int, n_head: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        assert d_model % n_head == 0
+        self.n_head = n_head
+        self.dropout = dropout
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.resid_drop = nn.Dropout(dropout)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model),
+            nn.GELU(),
+            nn.Linear(4 * d_model, d_model),
+            nn.Dropout(dropout),
+        )
+
+    def attn(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_drop(self.proj(y))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(L.LightningModule):
+    """Character-level GPT; ``self.blocks`` is the ``nn.Sequential`` pipeline of transformer blocks."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int = 64,
+        d_model: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        lr: float = 3e-3,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(block_size, d_model)
+        self.blocks = nn.Sequential(*[Block(d_model, n_head) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        x = self.blocks(x)
+        return self.head(self.ln_f(x))
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+
+
+def main() -> None:
+    """Train on a single process."""
+    L.seed_everything(0)
+    dm = CharDataModule()
+    model = GPT(dm.vocab_size)
+    trainer = L.Trainer(max_steps=200, accelerator="cpu", val_check_interval=100, limit_val_batches=20)
+    trainer.fit(model, dm)
+
+
+if __name__ == "__main__":
+    main()

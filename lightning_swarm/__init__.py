@@ -1,0 +1,14 @@
+"""lightning_swarm: SWARM parallelism for PyTorch Lightning.
+
+``import lightning_swarm`` registers the strategy name ``"swarm"``, so ``Trainer(strategy="swarm")`` works.
+"""
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_swarm.errors import StageBusyError, StageUnavailableError, SwarmRequestError
+from lightning_swarm.strategy import SwarmStrategy
+
+__version__ = "0.1.0"
+__all__ = ["SwarmStrategy", "StageBusyError", "StageUnavailableError", "SwarmRequestError"]
+
+if SwarmStrategy.strategy_name not in StrategyRegistry:
+    SwarmStrategy.register_strategies(StrategyRegistry)

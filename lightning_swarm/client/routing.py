@@ -1,0 +1,244 @@
+"""Stochastic wiring (SWARM section 3): for every microbatch and stage, pick the peer expected to be free first.
+
+For each peer of a stage the router estimates when it will be free: the samples queued there (from the peer's
+DHT record) plus the samples this process has in flight there, divided by the peer's throughput as measured
+from this process's own calls (seeded by the peer's announced throughput). The earliest wins; ties go at random.
+A failed or timed-out call bans the peer for a while and the work goes to another peer of the same stage; after
+``max_retries`` failed attempts the stage is reported as unavailable.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hivemind.p2p import P2PHandlerError, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils.asyncio import aiter_with_timeout
+import torch
+
+from lightning_swarm import compression, discovery, protocol
+from lightning_swarm.discovery import PeerRecord, PeerState
+from lightning_swarm.errors import StageBusyError, StageUnavailableError, SwarmRequestError
+from lightning_swarm.node import SwarmNode
+from lightning_swarm.server.stage_server import StageServer, stage_uid
+
+log = logging.getLogger(__name__)
+
+DEFAULT_THROUGHPUT = 1.0  # samples/s assumed for a peer that announced nothing yet: any measurement beats it
+
+
+@dataclass
+class PeerLoad:
+    """What this process knows about one peer's load."""
+
+    record: PeerRecord
+    throughput: float
+    in_flight: int = 0
+    banned_until: float = 0.0
+    failures: int = 0
+
+    def expected_free_at(self, now: float, batch: int) -> float:
+        return now + (self.record.queue + self.in_flight + batch) / max(self.throughput, 1e-9)
+
+
+@dataclass
+class RouterStats:
+    calls: int = 0
+    failovers: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    chosen: dict = field(default_factory=dict)  # peer id -> number of calls sent there
+
+
+class StageRouter:
+    """Routes calls to stages of one run, with retries on other peers and temporary bans."""
+
+    def __init__(
+        self,
+        node: SwarmNode,
+        run_id: str,
+        num_stages: int,
+        request_timeout: float = 60.0,
+        max_retries: int = 5,
+        ban_timeout: float = 15.0,
+        refresh_period: float = 2.0,
+        ema_alpha: float = 0.2,
+    ) -> None:
+        self.node, self.run_id, self.num_stages = node, run_id, num_stages
+        self.request_timeout, self.max_retries, self.ban_timeout = request_timeout, max_retries, ban_timeout
+        self.refresh_period, self.ema_alpha = refresh_period, ema_alpha
+        self.stats = RouterStats()
+        self.local_server: Optional[StageServer] = None  # this peer's own stage server, called without the network
+        self._peers: list[dict[str, PeerLoad]] = [{} for _ in range(num_stages)]
+        self._refreshed_at = [0.0] * num_stages
+        self._lock = threading.Lock()
+
+    # ---- peer choice ------------------------------------------------------------------------------------------------
+
+    def refresh(self, stage: int, force: bool = False) -> None:
+        if not force and time.monotonic() - self._refreshed_at[stage] < self.refresh_period:
+            return
+        try:
+            records = discovery.fetch_stage(self.node, self.run_id, stage)
+        except Exception as e:  # keep routing with what we know; the next refresh tries again
+            log.warning("Could not read the peers of stage %d: %r", stage, e)
+            return
+        with self._lock:
+            known = self._peers[stage]
+            for peer_id in list(known):
+                if peer_id not in records:
+                    del known[peer_id]
+            for peer_id, record in records.items():
+                if peer_id in known:
+                    known[peer_id].record = record
+                else:
+                    known[peer_id] = PeerLoad(record, record.throughput or DEFAULT_THROUGHPUT)
+            self._refreshed_at[stage] = time.monotonic()
+
+    def choose(self, stage: int, batch: int, exclude: frozenset = frozenset()) -> Optional[str]:
+        """The serving, unbanned peer of ``stage`` expected to finish ``batch`` more samples first."""
+        self.refresh(stage)
+        now = time.monotonic()
+        with self._lock:
+            candidates = [
+                (load.expected_free_at(now, batch), random.random(), peer_id)
+                for peer_id, load in self._peers[stage].items()
+                if peer_id not in exclude and load.banned_until <= now and load.record.state == PeerState.SERVING
+            ]
+        return min(candidates)[2] if candidates else None
+
+    def peers(self, stage: int) -> list[str]:
+        with self._lock:
+            return list(self._peers[stage])
+
+    # ---- calls ------------------------------------------------------------------------------------------------------
+
+    def call(
+        self,
+        stage: int,
+        method: str,
+        tensors: list[runtime_pb2.Tensor],
+        metadata: dict,
+        batch: int,
+        prefer: Optional[str] = None,
+    ) -> tuple[list[runtime_pb2.Tensor], str]:
+        """Run ``method`` of ``stage`` on some peer, failing over to others; returns the reply and the peer used."""
+        tried: list[str] = []
+        last_error: Optional[BaseException] = None
+        for attempt in range(self.max_retries + 1):
+            peer = prefer if attempt == 0 and prefer is not None else None
+            peer = peer or self.choose(stage, batch, exclude=frozenset(tried))
+            if peer is None:
+                self.refresh(stage, force=True)
+                peer = self.choose(stage, batch, exclude=frozenset(tried))
+            if peer is None:
+                time.sleep(min(0.5 * 2**attempt, 5.0))  # wait for a peer to (re)appear in the DHT
+                tried.clear()
+                continue
+            try:
+                reply = self._call_peer(stage, peer, method, tensors, metadata, batch)
+                if attempt > 0 and last_error is not None:
+                    self.stats.failovers += 1
+                return reply, peer
+            except SwarmRequestError:
+                raise
+            except StageBusyError as e:
+                last_error = e
+                tried.append(peer)
+            except Exception as e:
+                last_error = e
+                tried.append(peer)
+                self._ban(stage, peer)
+                log.warning("Stage %d: peer %s failed (%r); retrying on another peer", stage, peer, e)
+        raise StageUnavailableError(
+            f"Stage {stage} of run {self.run_id!r} has no live peer: {self.max_retries + 1} attempts failed "
+            f"(peers tried: {tried or 'none found'}; last error: {last_error!r})"
+        )
+
+    def _call_peer(
+        self, stage: int, peer: str, method: str, tensors: list, metadata: dict, batch: int
+    ) -> list[runtime_pb2.Tensor]:
+        load = self._peers[stage].get(peer)
+        with self._lock:
+            if load is not None:
+                load.in_flight += batch
+            self.stats.calls += 1
+            self.stats.chosen[peer] = self.stats.chosen.get(peer, 0) + 1
+            self.stats.bytes_sent += protocol.payload_bytes(tensors)
+        start = time.perf_counter()
+        try:
+            reply = self.node.run(self._request(stage, peer, method, tensors, metadata), self.request_timeout + 1)
+        except P2PHandlerError as e:
+            raise _remote_error(e) from None
+        finally:
+            with self._lock:
+                if load is not None:
+                    load.in_flight -= batch
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            self.stats.bytes_received += protocol.payload_bytes(reply)
+            if load is not None:
+                measured = batch / max(elapsed, 1e-6)
+                load.throughput += self.ema_alpha * (measured - load.throughput)
+                load.failures = 0
+        return reply
+
+    async def _request(
+        self, stage: int, peer: str, method: str, tensors: list, metadata: dict
+    ) -> list[runtime_pb2.Tensor]:
+        uid = stage_uid(self.run_id, stage)
+        server = self.local_server
+        if server is not None and server.stage == stage and peer == str(self.node.peer_id):
+            request = runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=protocol.encode_metadata(metadata))
+            response = await asyncio.wait_for(server.answer(method, request), self.request_timeout)
+            return list(response.tensors)
+        stub = StageServer.get_stub(self.node.p2p, PeerID.from_base58(peer), namespace=self.run_id)
+        reply, _ = await protocol.call(stub, method, uid, tensors, metadata, self.request_timeout)
+        return reply
+
+    def fetch_state(self, stage: int) -> dict[str, torch.Tensor]:
+        """Download the current state dict of ``stage`` from one of its live peers."""
+        request = runtime_pb2.ExpertRequest(uid=stage_uid(self.run_id, stage))
+
+        async def download(stub) -> tuple[list[runtime_pb2.Tensor], dict]:
+            parts, metadata = [], b""
+            async for response in aiter_with_timeout(await stub.rpc_state(request), self.request_timeout):
+                parts.extend(response.tensors)
+                metadata = metadata or response.metadata
+            return protocol.combine(parts), protocol.decode_metadata(metadata)
+
+        errors = []
+        for _ in range(self.max_retries + 1):
+            peer = self.choose(stage, 1, exclude=frozenset(errors))
+            if peer is None:
+                break
+            stub = StageServer.get_stub(self.node.p2p, PeerID.from_base58(peer), namespace=self.run_id)
+            try:
+                tensors, metadata = self.node.run(download(stub), timeout=self.request_timeout)
+                return {k: compression.deserialize(t) for k, t in zip(metadata["keys"], tensors)}
+            except Exception as e:
+                log.warning("Stage %d: could not download state from %s: %r", stage, peer, e)
+                errors.append(peer)
+        raise StageUnavailableError(f"Could not download the state of stage {stage} from any live peer {errors}")
+
+    def _ban(self, stage: int, peer: str) -> None:
+        with self._lock:
+            load = self._peers[stage].get(peer)
+            if load is not None:
+                load.failures += 1
+                load.banned_until = time.monotonic() + self.ban_timeout * 2 ** (load.failures - 1)
+
+
+def _remote_error(error: P2PHandlerError) -> Exception:
+    """Turn a remote handler's error back into the kind the server raised."""
+    message = str(error)
+    if SwarmRequestError.__name__ in message:
+        return SwarmRequestError(message)
+    if StageBusyError.__name__ in message:
+        return StageBusyError(message)
+    return error

@@ -1,0 +1,112 @@
+"""Discovery: who serves which stage, published as small DHT records (never tensors: the DHT is for finding peers).
+
+Each serving peer stores, under ``<run_id>_stage<k>`` with its peer id as subkey, a tuple
+``(state, throughput, queue)``, refreshed every ``update_period`` seconds and expiring after ``2 * update_period``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Callable, Optional
+
+from lightning_swarm.node import SwarmNode
+
+log = logging.getLogger(__name__)
+
+
+class PeerState(IntEnum):
+    JOINING = 0
+    SERVING = 1
+    LEAVING = 2
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """What a peer says about itself: its stage, state, compute throughput (samples/s) and queued samples."""
+
+    peer_id: str
+    stage: int
+    state: PeerState
+    throughput: float
+    queue: int
+
+    def to_value(self) -> tuple:
+        return (int(self.state), float(self.throughput), int(self.queue))
+
+    @classmethod
+    def from_value(cls, peer_id: str, stage: int, value: object) -> Optional["PeerRecord"]:
+        """Parse a record, or None for one that is malformed (records come from other peers)."""
+        try:
+            state, throughput, queue = value
+            return cls(str(peer_id), stage, PeerState(int(state)), float(throughput), int(queue))
+        except (TypeError, ValueError):
+            return None
+
+
+def stage_key(run_id: str, stage: int) -> str:
+    return f"{run_id}_stage{stage}"
+
+
+def meta_key(run_id: str) -> str:
+    return f"{run_id}_meta"
+
+
+def fetch_stage(node: SwarmNode, run_id: str, stage: int) -> dict[str, PeerRecord]:
+    """Live records of the peers of one stage, by peer id (base58)."""
+    found = node.dht_get(stage_key(run_id, stage)) or {}
+    records = (PeerRecord.from_value(peer, stage, value) for peer, value in found.items())
+    return {r.peer_id: r for r in records if r is not None}
+
+
+def fetch_swarm(node: SwarmNode, run_id: str, num_stages: int) -> list[dict[str, PeerRecord]]:
+    return [fetch_stage(node, run_id, k) for k in range(num_stages)]
+
+
+def check_run_meta(node: SwarmNode, run_id: str, meta: dict, ttl: float) -> None:
+    """Publish this peer's view of the run (stage count and layout) and refuse to join a swarm that disagrees."""
+    found = node.dht_get(meta_key(run_id)) or {}
+    for peer, theirs in found.items():
+        if isinstance(theirs, dict) and theirs != meta:
+            raise RuntimeError(
+                f"Run {run_id!r} is already served with a different layout: peer {peer} has {theirs}, this peer "
+                f"has {meta}. Start every peer with the same model, pipeline and num_stages, or use another run_id."
+            )
+    node.dht_store(meta_key(run_id), str(node.peer_id), meta, ttl)
+
+
+class Announcer:
+    """A daemon thread that keeps this peer's record fresh, so routers find it and stop finding it once it is gone."""
+
+    def __init__(
+        self, node: SwarmNode, run_id: str, make_record: Callable[[], PeerRecord], update_period: float
+    ) -> None:
+        self.node, self.run_id, self.make_record = node, run_id, make_record
+        self.update_period = update_period
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="swarm-announcer", daemon=True)
+
+    def start(self) -> None:
+        self.announce()
+        self._thread.start()
+
+    def announce(self, record: Optional[PeerRecord] = None) -> None:
+        record = record or self.make_record()
+        try:
+            self.node.dht_store(
+                stage_key(self.run_id, record.stage), record.peer_id, record.to_value(), ttl=2 * self.update_period
+            )
+        except Exception as e:  # a missed refresh is retried next period; the record outlives one miss
+            log.warning("Could not announce stage %d: %r", record.stage, e)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.update_period):
+            self.announce()
+
+    def stop(self, final: Optional[PeerRecord] = None) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.node.timeout)
+        if final is not None:
+            self.announce(final)

@@ -1,0 +1,106 @@
+"""The peer's connection to the swarm: a hivemind DHT, its libp2p daemon and one event loop for RPC.
+
+Every network and DHT call made through :class:`SwarmNode` carries a timeout, so a dead DHT process or an
+unreachable peer surfaces as an exception instead of a hang.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Awaitable, Optional, Sequence, TypeVar
+
+from hivemind.dht import DHT
+from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils import get_dht_time
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+
+
+class SwarmNode:
+    """Starts (and stops) this process's DHT node and a replica of its P2P daemon for RPC."""
+
+    def __init__(
+        self,
+        initial_peers: Sequence[str] = (),
+        host_maddrs: Sequence[str] = LOOPBACK_MADDRS,
+        announce_maddrs: Sequence[str] = (),
+        identity_path: Optional[str] = None,
+        timeout: float = 30.0,
+    ) -> None:
+        self.initial_peers = list(initial_peers)
+        self.host_maddrs = list(host_maddrs)
+        self.announce_maddrs = list(announce_maddrs)
+        self.identity_path = identity_path
+        self.timeout = timeout
+        self.dht: Optional[DHT] = None
+        self.p2p: Optional[P2P] = None
+
+    def start(self) -> "SwarmNode":
+        loopback_only = all(m.startswith("/ip4/127.") for m in self.host_maddrs)
+        self.dht = DHT(
+            initial_peers=self.initial_peers or None,
+            start=True,
+            host_maddrs=self.host_maddrs,
+            announce_maddrs=self.announce_maddrs or None,
+            identity_path=self.identity_path,
+            startup_timeout=self.timeout,
+            # never probe routers or public services (UPnP multicast, AutoNAT) unless we listen beyond loopback
+            nat_port_map=False,
+            auto_nat=not loopback_only,
+            await_ready=True,
+        )
+        self.p2p = self.run(self.dht.replicate_p2p())
+        return self
+
+    @property
+    def peer_id(self) -> PeerID:
+        assert self.p2p is not None, "SwarmNode.start() was not called"
+        return self.p2p.peer_id
+
+    def visible_maddrs(self) -> list[str]:
+        """Full multiaddrs (with /p2p/<id>) that other peers pass as ``initial_peers``."""
+        future = self.dht.run_coroutine(_visible_maddrs, return_future=True)
+        return [str(m) for m in future.result(timeout=self.timeout)]
+
+    def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
+        """Run a coroutine on the RPC event loop from synchronous code and wait for it, with a timeout."""
+        future = RemoteExpertWorker.run_coroutine(coro, return_future=True)
+        try:
+            return future.result(timeout=timeout or self.timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def dht_get(self, key: str, timeout: Optional[float] = None) -> Optional[Any]:
+        """The newest value under ``key`` (a dict of subkeys to values for dictionary records), or None."""
+        found = self.dht.get(key, latest=True, return_future=True).result(timeout=timeout or self.timeout)
+        if found is None:
+            return None
+        value = found.value
+        if isinstance(value, dict):
+            return {subkey: item.value for subkey, item in value.items()}
+        return value
+
+    def dht_store(self, key: str, subkey: str, value: Any, ttl: float, timeout: Optional[float] = None) -> bool:
+        """Store a small record under ``key``/``subkey`` that expires ``ttl`` seconds from now."""
+        future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
+        return bool(future.result(timeout=timeout or self.timeout))
+
+    def shutdown(self) -> None:
+        if self.p2p is not None:
+            try:
+                self.run(self.p2p.shutdown(), timeout=5)
+            except Exception as e:  # the daemon may already be gone; the DHT shutdown below reaps it
+                log.debug("P2P replica shutdown failed: %r", e)
+            self.p2p = None
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+
+
+async def _visible_maddrs(dht: DHT, node: Any) -> list:
+    return await node.p2p.get_visible_maddrs()
+

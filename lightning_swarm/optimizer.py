@@ -1,0 +1,53 @@
+"""The swarm optimizers: the user's optimizer, wrapped in ``hivemind.Optimizer`` (SWARM section 4).
+
+One wraps each served stage and one wraps the trainer's local parameters (embeddings, head). Each accumulates
+gradients until the peers sharing it (the peers of that stage, or all trainers) have together processed
+``target_batch_size`` samples, then those peers all-reduce their gradients and step.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import hivemind
+import torch
+from hivemind.dht import DHT
+
+
+def restrict_to(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """A fresh optimizer of the same class with the same per-group hyper-parameters, over ``params`` only."""
+    keep = {id(p) for p in params}
+    groups = []
+    for group in optimizer.param_groups:
+        selected = [p for p in group["params"] if id(p) in keep]
+        if selected:
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": selected})
+    if not groups:
+        raise ValueError("None of the given parameters is in the optimizer returned by configure_optimizers")
+    return type(optimizer)(groups)
+
+
+def swarm_optimizer(
+    dht: DHT,
+    prefix: str,
+    optimizer: torch.optim.Optimizer,
+    target_batch_size: int,
+    matchmaking_time: float,
+    averaging_timeout: float,
+) -> hivemind.Optimizer:
+    """Wrap ``optimizer`` so that it steps once per ``target_batch_size`` samples of all peers under ``prefix``."""
+    return hivemind.Optimizer(
+        dht=dht,
+        run_id=prefix,
+        target_batch_size=target_batch_size,
+        optimizer=optimizer,
+        matchmaking_time=matchmaking_time,
+        averaging_timeout=averaging_timeout,
+        load_state_timeout=averaging_timeout,
+        delay_state_averaging=False,
+        delay_optimizer_step=False,
+        delay_grad_averaging=False,
+        averager_opts=dict(request_timeout=min(1.0, matchmaking_time / 2)),
+        tracker_opts=dict(min_refresh_period=0.2, max_refresh_period=2.0, metadata_expiration=4 * averaging_timeout),
+        shutdown_timeout=2,
+        verbose=False,
+    )

@@ -1,0 +1,97 @@
+"""The wire format shared by stage servers and routers: hivemind's ExpertRequest/ExpertResponse messages whose
+``tensors`` hold the (compressed) tensors and whose ``metadata`` holds a small msgpack dict.
+
+Requests and replies above hivemind's unary payload limit travel as streams of chunks.
+"""
+from __future__ import annotations
+
+from typing import AsyncIterator, Iterable, Sequence
+
+from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE, MAX_UNARY_PAYLOAD_SIZE
+from hivemind.proto import runtime_pb2
+from hivemind.utils import MSGPackSerializer
+from hivemind.utils.asyncio import aiter_with_timeout, iter_as_aiter
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from lightning_swarm.errors import SwarmRequestError
+
+CHUNK_BYTES = DEFAULT_MAX_MSG_SIZE // 2
+
+
+def payload_bytes(tensors: Sequence[runtime_pb2.Tensor]) -> int:
+    return sum(len(t.buffer) for t in tensors)
+
+
+def needs_stream(tensors: Sequence[runtime_pb2.Tensor]) -> bool:
+    return payload_bytes(tensors) > MAX_UNARY_PAYLOAD_SIZE
+
+
+def chunks(tensors: Iterable[runtime_pb2.Tensor]) -> Iterable[runtime_pb2.Tensor]:
+    return (part for tensor in tensors for part in split_for_streaming(tensor, CHUNK_BYTES))
+
+
+def combine(parts: Iterable[runtime_pb2.Tensor]) -> list[runtime_pb2.Tensor]:
+    """Reassemble streamed chunks: a chunk that carries a dtype starts a new tensor."""
+    tensors, current = [], []
+    for part in parts:
+        if part.dtype and current:
+            tensors.append(combine_from_streaming(current))
+            current = []
+        current.append(part)
+    if current:
+        tensors.append(combine_from_streaming(current))
+    return tensors
+
+
+def encode_metadata(metadata: dict) -> bytes:
+    return MSGPackSerializer.dumps(metadata)
+
+
+def decode_metadata(raw: bytes) -> dict:
+    metadata = MSGPackSerializer.loads(raw) if raw else {}
+    if not isinstance(metadata, dict):
+        raise SwarmRequestError("request metadata must be a msgpack dict")
+    return metadata
+
+
+async def call(
+    stub, method: str, uid: str, tensors: list[runtime_pb2.Tensor], metadata: dict, timeout: float
+) -> tuple[list[runtime_pb2.Tensor], dict]:
+    """Call ``rpc_<method>`` (or its ``_stream`` form for large payloads) on a peer; returns tensors and metadata."""
+    raw_metadata = encode_metadata(metadata)
+    if not needs_stream(tensors):
+        request = runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=raw_metadata)
+        response = await getattr(stub, f"rpc_{method}")(request, timeout=timeout)
+        return list(response.tensors), decode_metadata(response.metadata)
+    requests = [runtime_pb2.ExpertRequest(uid=uid, tensors=[part], metadata=raw_metadata) for part in chunks(tensors)]
+    stream = await getattr(stub, f"rpc_{method}_stream")(iter_as_aiter(requests))
+    parts, reply_metadata = [], b""
+    async for response in aiter_with_timeout(stream, timeout):
+        parts.extend(response.tensors)
+        reply_metadata = reply_metadata or response.metadata
+    return combine(parts), decode_metadata(reply_metadata)
+
+
+async def gather_request(
+    requests: AsyncIterator[runtime_pb2.ExpertRequest], max_bytes: int
+) -> runtime_pb2.ExpertRequest:
+    """Server side: collect a streamed request into one message, refusing more than ``max_bytes`` of tensors."""
+    uid, metadata, parts, size = None, b"", [], 0
+    async for request in requests:
+        if uid is not None and request.uid != uid:
+            raise SwarmRequestError("one streamed request named several stages")
+        uid, metadata = request.uid, metadata or request.metadata
+        size += payload_bytes(request.tensors)
+        if size > max_bytes:
+            raise SwarmRequestError(f"request exceeds the size cap of {max_bytes} bytes")
+        parts.extend(request.tensors)
+    return runtime_pb2.ExpertRequest(uid=uid or "", tensors=combine(parts), metadata=metadata)
+
+
+def stream_response(response: runtime_pb2.ExpertResponse) -> Iterable[runtime_pb2.ExpertResponse]:
+    """Server side: split a reply into stream messages (metadata on the first)."""
+    parts = list(chunks(response.tensors)) or [None]
+    for i, part in enumerate(parts):
+        yield runtime_pb2.ExpertResponse(
+            tensors=[part] if part is not None else [], metadata=response.metadata if i == 0 else b""
+        )

@@ -1,0 +1,214 @@
+"""The stage server: answers forward and backward requests for the stage this peer serves (SWARM section 2).
+
+Requests arrive over hivemind's libp2p RPC, are validated, and wait in a bounded queue for one compute worker
+thread that owns the stage module on the accelerator's device. Backward recomputes the stage's forward from the
+input it is sent (so any peer of the stage can serve it), hands the parameter gradients to the stage optimizer
+(which accumulates them towards the stage's target batch size) and returns the gradient of the input.
+A request that fails validation or computation leaves the stage's parameters and accumulated gradients untouched.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import AsyncIterator, Callable, Optional
+
+import torch
+from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.proto import runtime_pb2
+from hivemind.utils.performance_ema import PerformanceEMA
+from torch import nn
+
+from lightning_swarm import compression, protocol
+from lightning_swarm.errors import StageBusyError, SwarmRequestError
+
+log = logging.getLogger(__name__)
+
+
+def stage_uid(run_id: str, stage: int) -> str:
+    return f"{run_id}.stage{stage}"
+
+
+class StageServer(ServicerBase):
+    """Serves one stage of one run. Handlers are registered under the run id as namespace.
+
+    Args:
+        module: the stage's blocks, already on ``device``.
+        on_backward: called on the worker thread after each successful backward with the microbatch size,
+            once the parameters' ``.grad`` hold that microbatch's gradients (the stage optimizer's hook).
+        max_queue: requests waiting for the worker; further requests are answered "busy".
+        max_request_bytes: requests with more tensor bytes are refused before they are decoded.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        stage: int,
+        module: nn.Module,
+        device: torch.device,
+        on_backward: Optional[Callable[[int], None]] = None,
+        max_queue: int = 64,
+        max_request_bytes: int = 256 * 2**20,
+    ) -> None:
+        self.run_id, self.stage, self.uid = run_id, stage, stage_uid(run_id, stage)
+        self.module, self.device, self.on_backward = module, device, on_backward
+        self.max_request_bytes = max_request_bytes
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        floating = [p.dtype for p in module.parameters() if p.is_floating_point()]
+        self.dtype = floating[0] if floating else torch.get_default_dtype()
+        self.throughput = PerformanceEMA(alpha=0.1)
+        self.lock = threading.Lock()  # held by the worker while it computes; others take it to read the state
+        self._tasks: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._queued_samples = 0
+        self.last_request = time.monotonic()
+        self._worker = threading.Thread(target=self._work, name=f"stage{stage}-worker", daemon=True)
+        self._worker.start()
+
+    @property
+    def queued_samples(self) -> int:
+        return self._queued_samples
+
+    # ---- RPC handlers -------------------------------------------------------------------------------------------
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return await self.answer("forward", request, context.remote_id)
+
+    async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return await self.answer("backward", request, context.remote_id)
+
+    async def rpc_forward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        request = await protocol.gather_request(requests, self.max_request_bytes)
+        for part in protocol.stream_response(await self.answer("forward", request, context.remote_id)):
+            yield part
+
+    async def rpc_backward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        request = await protocol.gather_request(requests, self.max_request_bytes)
+        for part in protocol.stream_response(await self.answer("backward", request, context.remote_id)):
+            yield part
+
+    async def rpc_state(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Stream the stage's current state dict (uncompressed), e.g. to gather a complete checkpoint."""
+        self._check_uid(request.uid)
+        keys, tensors = await asyncio.get_running_loop().run_in_executor(None, self._state_snapshot)
+        response = runtime_pb2.ExpertResponse(
+            tensors=[compression.serialize(t, "none") for t in tensors],
+            metadata=protocol.encode_metadata({"keys": keys}),
+        )
+        for part in protocol.stream_response(response):
+            yield part
+
+    # ---- validation and compute -----------------------------------------------------------------------------------
+
+    async def answer(self, kind: str, request: runtime_pb2.ExpertRequest, caller: object = "this peer"):
+        """Validate a forward or backward request, run it on the worker and encode the reply."""
+        self.last_request = time.monotonic()
+        try:
+            self._check_uid(request.uid)
+            metadata = protocol.decode_metadata(request.metadata)
+            codec = compression.check_codec(str(metadata.get("codec", "none")))
+            expected = 1 if kind == "forward" else 2
+            if len(request.tensors) != expected:
+                raise SwarmRequestError(f"{kind} expects {expected} tensor(s), got {len(request.tensors)}")
+            tensors = [self._decode(t) for t in request.tensors]
+            batch = int(tensors[0].shape[0]) if tensors[0].ndim else 1
+            future = self._submit(kind, tensors, bool(metadata.get("train", True)), batch)
+            output = await asyncio.wrap_future(future)
+        except Exception as e:
+            log.warning("Stage %d refused a %s request from %s: %r", self.stage, kind, caller, e)
+            raise
+        return runtime_pb2.ExpertResponse(tensors=[compression.serialize(output, codec)])
+
+    def _check_uid(self, uid: str) -> None:
+        if uid != self.uid:
+            raise SwarmRequestError(f"unknown stage {uid!r}: this peer serves {self.uid!r}")
+
+    def _decode(self, message: runtime_pb2.Tensor) -> torch.Tensor:
+        numel = math.prod(message.size)
+        if numel * torch.finfo(self.dtype).bits // 8 > self.max_request_bytes:
+            raise SwarmRequestError(f"tensor of shape {list(message.size)} exceeds the cap of {self.max_request_bytes} bytes")
+        try:
+            tensor = compression.deserialize(message)
+        except Exception as e:
+            raise SwarmRequestError(f"undecodable tensor: {e!r}") from None
+        if tensor.dtype != self.dtype:
+            raise SwarmRequestError(f"expected a {self.dtype} tensor, got {tensor.dtype}")
+        if not torch.isfinite(tensor).all():
+            raise SwarmRequestError("tensor contains NaN or Inf")
+        return tensor
+
+    def _submit(self, kind: str, tensors: list[torch.Tensor], train: bool, batch: int) -> Future:
+        future: Future = Future()
+        try:
+            self._tasks.put_nowait((kind, tensors, train, batch, future))
+        except queue.Full:
+            raise StageBusyError(f"stage {self.stage} is busy ({self._tasks.maxsize} requests queued)") from None
+        self._queued_samples += batch
+        return future
+
+    def _work(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            kind, tensors, train, batch, future = task
+            self._queued_samples -= batch
+            if not future.set_running_or_notify_cancel():
+                continue
+            start = time.perf_counter()
+            try:
+                with self.lock:
+                    self.module.train(train)
+                    output = self._forward(*tensors) if kind == "forward" else self._backward(*tensors)
+            except SwarmRequestError as e:
+                future.set_exception(e)
+            except Exception as e:  # a failing module call is the request's fault (shape, content), not ours
+                future.set_exception(SwarmRequestError(f"stage {self.stage} {kind} failed: {e!r}"))
+            else:
+                self.throughput.update(batch, interval=time.perf_counter() - start)
+                future.set_result(output)
+
+    @torch.no_grad()
+    def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.module(inputs.to(self.device)).cpu()
+
+    def _backward(self, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> torch.Tensor:
+        inputs = inputs.to(self.device).requires_grad_()
+        with torch.enable_grad():
+            outputs = self.module(inputs)
+        if grad_outputs.shape != outputs.shape:
+            raise SwarmRequestError(
+                f"gradient of shape {list(grad_outputs.shape)} does not match the output {list(outputs.shape)}"
+            )
+        # gradients are computed apart and handed over only once all of them exist: a failure leaves no trace
+        grads = torch.autograd.grad(outputs, [inputs, *self.params], grad_outputs.to(self.device), allow_unused=True)
+        for param, grad in zip(self.params, grads[1:]):
+            param.grad = torch.zeros_like(param) if grad is None else grad
+        if self.on_backward is not None:
+            self.on_backward(int(inputs.shape[0]))
+        return grads[0].cpu()
+
+    def _state_snapshot(self) -> tuple[list[str], list[torch.Tensor]]:
+        with self.lock:
+            state = self.module.state_dict()
+            return list(state), [t.detach().cpu().clone() for t in state.values()]
+
+    def shutdown(self) -> None:
+        """Stop the worker; requests still queued are answered with an error."""
+        while True:
+            try:
+                *_, future = self._tasks.get_nowait()
+            except queue.Empty:
+                break
+            future.set_exception(StageBusyError(f"stage {self.stage} is shutting down"))
+        self._tasks.put(None)
+        self._worker.join(timeout=30)

@@ -1,0 +1,447 @@
+"""``SwarmStrategy``: SWARM parallelism as a Lightning strategy.
+
+This file is the table of contents. Each step of SWARM lives in its own module:
+
+- :mod:`~lightning_swarm.node`: the peer's DHT and libp2p daemon;
+- :mod:`~lightning_swarm.partitioning`: cutting the pipeline into stages;
+- :mod:`~lightning_swarm.discovery`: who serves which stage (DHT records);
+- :mod:`~lightning_swarm.server.stage_server`: serving a stage's forward and backward;
+- :mod:`~lightning_swarm.optimizer`: per-stage and local optimizers that all-reduce at the target batch size;
+- :mod:`~lightning_swarm.client.routing`: stochastic wiring with failover;
+- :mod:`~lightning_swarm.client.remote_pipeline`: the module that replaces the pipeline in ``training_step``;
+- :mod:`~lightning_swarm.compression`: 8-bit activations and gradients on the wire.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import re
+import signal
+import threading
+import time
+from typing import Any, Callable, Generator, Literal, Optional, TypeVar, Union
+
+import torch
+from lightning.fabric.utilities.init import _materialize_meta_tensors
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+
+from lightning_swarm import discovery, partitioning
+from lightning_swarm.client.remote_pipeline import RemotePipeline
+from lightning_swarm.client.routing import StageRouter
+from lightning_swarm.compression import Codec, check_codec
+from lightning_swarm.discovery import Announcer, PeerRecord, PeerState
+from lightning_swarm.errors import StageUnavailableError
+from lightning_swarm.node import LOOPBACK_MADDRS, SwarmNode
+from lightning_swarm.optimizer import restrict_to, swarm_optimizer
+from lightning_swarm.server.stage_server import StageServer
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+Role = Literal["both", "serve", "drive"]
+ENV_PREFIX = "SWARM_"
+
+
+class SwarmStrategy(Strategy):
+    """Train a LightningModule across a swarm of unreliable peers with SWARM parallelism.
+
+    Every process started with this strategy joins the swarm named ``run_id``. The LightningModule's pipeline (an
+    ``nn.Sequential`` of blocks) is cut into ``num_stages`` stages of balanced parameter count; each peer serves
+    one stage and, by default, also drives its own batches through the swarm. Modules outside the pipeline stay
+    local and are trained data-parallel across the driving peers.
+
+    Arguments left as ``None`` are read from environment variables named ``SWARM_<ARGUMENT>`` in upper case
+    (``SWARM_RUN_ID``, ``SWARM_INITIAL_PEERS``, ``SWARM_NUM_STAGES``, ``SWARM_ROLE``, ...), so that
+    ``Trainer(strategy="swarm")`` can be configured from the shell. Lists are comma separated.
+
+    Args:
+        run_id: name of the swarm; peers with the same ``run_id`` train together (letters, digits, ``_``, ``-``).
+        num_stages: number of pipeline stages. Every peer of a run must use the same value.
+        initial_peers: multiaddrs of any live peers (``/ip4/.../tcp/.../p2p/...``). None or empty: start a new
+            swarm and log the address others join with.
+        pipeline: attribute name of the ``nn.Sequential`` to cut into stages. None: the direct child
+            ``nn.Sequential`` with the most parameters.
+        role: ``"both"`` serves a stage and trains on this process's data; ``"serve"`` only serves (``fit`` serves
+            until the process receives SIGTERM or SIGINT); ``"drive"`` only sends its batches through the swarm.
+        stage: the stage to serve. None: the stage with the fewest peers when this peer joins.
+        target_batch_size: samples (summed over the swarm) after which a stage, and the local parameters, take an
+            optimizer step. None: the batch size of the datamodule (``datamodule.batch_size``).
+        compression: codec for activations and their gradients between stages: ``"8bit"`` (blockwise),
+            ``"float16"`` or ``"none"``.
+        host_maddrs: multiaddrs to listen on. Default: loopback only; use ``/ip4/0.0.0.0/tcp/<port>`` to accept
+            peers from other machines.
+        announce_maddrs: multiaddrs other peers should dial (e.g. a public IP), when they differ from host_maddrs.
+        identity_path: file holding this peer's private key, for a stable peer id (created if missing).
+        address_file: if set, this peer writes its multiaddrs there (one per line) once it is reachable.
+        matchmaking_time: seconds peers spend forming an all-reduce group before a step.
+        averaging_timeout: seconds after which an all-reduce gives up and the peer steps with its own gradients.
+        request_timeout: seconds to wait for a stage's reply before trying another peer of the stage.
+        max_retries: attempts on other peers before a microbatch's stage is reported unavailable.
+        ban_timeout: seconds a peer that failed a call is not chosen again (doubling on repeated failures).
+        update_period: seconds between refreshes of this peer's DHT record.
+        join_timeout: seconds a driving peer waits for every stage to have a live peer before training.
+        linger: seconds a serving peer that finished training keeps serving while others still send it work.
+        max_queue: requests a stage server keeps waiting; beyond that it answers "busy".
+        max_request_bytes: largest request a stage server accepts.
+    """
+
+    strategy_name = "swarm"
+
+    def __init__(
+        self,
+        run_id: Optional[str] = None,
+        num_stages: Optional[int] = None,
+        initial_peers: Optional[Union[str, list[str]]] = None,
+        pipeline: Optional[str] = None,
+        role: Optional[Role] = None,
+        stage: Optional[int] = None,
+        target_batch_size: Optional[int] = None,
+        compression: Optional[Codec] = None,
+        host_maddrs: Optional[Union[str, list[str]]] = None,
+        announce_maddrs: Optional[Union[str, list[str]]] = None,
+        identity_path: Optional[str] = None,
+        address_file: Optional[str] = None,
+        matchmaking_time: float = 5.0,
+        averaging_timeout: float = 30.0,
+        request_timeout: float = 60.0,
+        max_retries: int = 5,
+        ban_timeout: float = 15.0,
+        update_period: float = 10.0,
+        join_timeout: float = 300.0,
+        linger: float = 5.0,
+        max_queue: int = 64,
+        max_request_bytes: int = 256 * 2**20,
+    ) -> None:
+        super().__init__()
+        self.run_id = _setting("run_id", run_id, str, "swarm")
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", self.run_id):
+            raise ValueError(f"run_id={self.run_id!r}: use only letters, digits, '_' and '-'")
+        self.num_stages = _setting("num_stages", num_stages, int, 2)
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be at least 1, got {self.num_stages}")
+        self.initial_peers = _setting("initial_peers", initial_peers, _as_list, [])
+        self.pipeline = _setting("pipeline", pipeline, str, None)
+        self.role: str = _setting("role", role, str, "both")
+        if self.role not in ("both", "serve", "drive"):
+            raise ValueError(f"role={self.role!r}: choose 'both', 'serve' or 'drive'")
+        self.stage = _setting("stage", stage, int, None)
+        if self.stage is not None and not 0 <= self.stage < self.num_stages:
+            raise ValueError(f"stage={self.stage} is not one of the {self.num_stages} stages")
+        self.target_batch_size = _setting("target_batch_size", target_batch_size, int, None)
+        self.compression = check_codec(_setting("compression", compression, str, "8bit"))
+        self.host_maddrs = _setting("host_maddrs", host_maddrs, _as_list, list(LOOPBACK_MADDRS))
+        self.announce_maddrs = _setting("announce_maddrs", announce_maddrs, _as_list, [])
+        self.identity_path = _setting("identity_path", identity_path, str, None)
+        self.address_file = _setting("address_file", address_file, str, None)
+        self.matchmaking_time, self.averaging_timeout = matchmaking_time, averaging_timeout
+        self.request_timeout, self.max_retries, self.ban_timeout = request_timeout, max_retries, ban_timeout
+        self.update_period, self.join_timeout, self.linger = update_period, join_timeout, linger
+        self.max_queue, self.max_request_bytes = max_queue, max_request_bytes
+        self.parallel_devices: Optional[list[torch.device]] = None  # filled in by Lightning's connector
+
+        self.node: Optional[SwarmNode] = None
+        self.router: Optional[StageRouter] = None
+        self.server: Optional[StageServer] = None
+        self.served_stage: Optional[int] = None
+        self._announcer: Optional[Announcer] = None
+        self._stage_optimizer = None
+        self._spans: list[partitioning.StageSpan] = []
+        self._pipeline_name: Optional[str] = None
+        self._batch_size: Optional[int] = None
+        self._stop_requested = threading.Event()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="SWARM parallelism over a swarm of unreliable peers"
+        )
+
+    # ---- what Lightning asks of every strategy ----------------------------------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[0] if self.parallel_devices else torch.device("cpu")
+
+    @property
+    def global_rank(self) -> int:
+        return 0  # every peer is an independent trainer
+
+    @property
+    def is_global_zero(self) -> bool:
+        return True
+
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        return True  # accumulation towards target_batch_size happens in the swarm optimizers
+
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        return tensor
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        pass
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        return obj
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        return tensor
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------------
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._install_signal_handlers()
+        self.node = SwarmNode(self.initial_peers, self.host_maddrs, self.announce_maddrs, self.identity_path).start()
+        addresses = self.node.visible_maddrs()
+        if self.address_file:
+            with open(self.address_file + ".tmp", "w") as f:
+                f.write("\n".join(addresses) + "\n")
+            os.replace(self.address_file + ".tmp", self.address_file)
+        joined = "joined" if self.initial_peers else "started"
+        log.warning(
+            "Swarm %r %s. Other peers join with:\n  SWARM_INITIAL_PEERS=%s", self.run_id, joined, ",".join(addresses)
+        )
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Blocks created in ``configure_model`` start on the meta device: a peer allocates only its own stage."""
+        if is_overridden("configure_model", self.lightning_module):
+            with torch.device("meta"):
+                yield
+        else:
+            yield
+
+    def setup(self, trainer: Trainer) -> None:
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "SwarmStrategy accumulates gradients towards target_batch_size: leave accumulate_grad_batches=1"
+            )
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._partition_and_serve(trainer, fitting)
+        super().setup(trainer)
+        if fitting and self.role != "serve":
+            self._wrap_local_optimizer(trainer)
+        if self.role != "serve":
+            self._wait_for_stages()
+        if fitting and self.role == "serve":
+            self._serve_until_stopped(trainer)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._batch_size = extract_batch_size(batch)
+        if self._stop_requested.is_set():
+            self.lightning_module.trainer.should_stop = True
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        return super().optimizer_step(optimizer, closure, model, batch_size=self._batch_size, **kwargs)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The complete model: local modules plus every stage's current state, gathered from live peers."""
+        state = super().lightning_module_state_dict()
+        if self.router is None or self._pipeline_name is None:
+            return state
+        state = {k: v for k, v in state.items() if not k.startswith(self._pipeline_name + ".")}
+        for span in self._spans:
+            for key, tensor in self.fetch_stage_state(span.index).items():
+                state[partitioning.stage_state_key(self._pipeline_name, span, key)] = tensor
+        return state
+
+    def fetch_stage_state(self, stage: int) -> dict[str, torch.Tensor]:
+        """The current state dict of ``stage`` (stage-local keys), from this peer or a live peer of the stage."""
+        if self.server is not None and self.served_stage == stage:
+            keys, tensors = self.server._state_snapshot()
+            return dict(zip(keys, tensors))
+        return self.router.fetch_state(stage)
+
+    def teardown(self) -> None:
+        if self.server is not None and self.role != "serve":
+            self._linger()
+        if self._announcer is not None:
+            self._announcer.stop(final=self._record(PeerState.LEAVING))
+            self._announcer = None
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                self.node.run(self.server.remove_p2p_handlers(self.node.p2p, namespace=self.run_id), timeout=5)
+            self.server.shutdown()
+            self.server = None
+        for opt in [self._stage_optimizer, *self.optimizers]:
+            shutdown = getattr(opt, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        self._stage_optimizer = None
+        if self.node is not None:
+            self.node.shutdown()
+            self.node = None
+        super().teardown()
+
+    # ---- the steps ------------------------------------------------------------------------------------------------
+
+    def _partition_and_serve(self, trainer: Trainer, fitting: bool) -> None:
+        """Cut the pipeline, serve this peer's stage, and put the remote pipeline in the LightningModule's place."""
+        module = self.lightning_module
+        self._pipeline_name = partitioning.find_pipeline(module, self.pipeline)
+        pipeline = getattr(module, self._pipeline_name)
+        self._spans = partitioning.balance_by_parameters(list(pipeline), self.num_stages)
+        layout = {"num_stages": self.num_stages, "spans": [[s.start, s.end] for s in self._spans]}
+        discovery.check_run_meta(self.node, self.run_id, layout, ttl=max(60.0, 6 * self.update_period))
+
+        if self.role != "drive":
+            self.served_stage = self._choose_stage()
+            stage_module = partitioning.stage_module(pipeline, self._spans[self.served_stage])
+            _materialize_meta_tensors(stage_module, self.root_device)
+            stage_module.to(self.root_device)
+            if fitting:
+                self._stage_optimizer = self._build_stage_optimizer(trainer, stage_module)
+            self._start_server(stage_module)
+
+        self.router = StageRouter(
+            self.node, self.run_id, self.num_stages, self.request_timeout, self.max_retries, self.ban_timeout,
+            refresh_period=min(2.0, self.update_period),
+        )
+        self.router.local_server = self.server
+        setattr(module, self._pipeline_name, RemotePipeline(self.router, self.compression))
+        _materialize_meta_tensors(module, self.root_device)  # the local modules, if built on the meta device
+
+    def _choose_stage(self) -> int:
+        if self.stage is not None:
+            return self.stage
+        counts = [len(peers) for peers in discovery.fetch_swarm(self.node, self.run_id, self.num_stages)]
+        fewest = min(counts)
+        return random.choice([k for k, count in enumerate(counts) if count == fewest])
+
+    def _build_stage_optimizer(self, trainer: Trainer, stage_module: nn.Module) -> Any:
+        """The user's optimizer (class and per-group hyper-parameters) over this stage's parameters."""
+        optimizers, _ = _init_optimizers_and_lr_schedulers(self.lightning_module)
+        if len(optimizers) != 1:
+            raise ValueError(f"SwarmStrategy supports one optimizer; configure_optimizers returned {len(optimizers)}")
+        stage_optimizer = restrict_to(optimizers[0], stage_module.parameters())
+        return swarm_optimizer(
+            self.node.dht, f"{self.run_id}_stage{self.served_stage}", stage_optimizer,
+            self._resolve_target_batch_size(trainer), self.matchmaking_time, self.averaging_timeout,
+        )
+
+    def _start_server(self, stage_module: nn.Module) -> None:
+        stage = self.served_stage
+        self.server = StageServer(
+            self.run_id, stage, stage_module, self.root_device,
+            on_backward=self._stage_step if self._stage_optimizer is not None else None,
+            max_queue=self.max_queue, max_request_bytes=self.max_request_bytes,
+        )
+        self._announcer = Announcer(self.node, self.run_id, lambda: self._record(PeerState.SERVING), self.update_period)
+        self._announcer.announce(self._record(PeerState.JOINING))
+        live = [p for p in discovery.fetch_stage(self.node, self.run_id, stage).values() if p.state == PeerState.SERVING]
+        if live and self._stage_optimizer is not None:
+            log.warning("Stage %d is served by %d peer(s): downloading its current state", stage, len(live))
+            with self.server.lock:
+                self._stage_optimizer.load_state_from_peers()
+        self.node.run(self.server.add_p2p_handlers(self.node.p2p, namespace=self.run_id))
+        self._announcer.start()
+        log.warning("Serving stage %d of %d (blocks %d..%d)", stage, self.num_stages,
+                    self._spans[stage].start, self._spans[stage].end - 1)
+
+    def _stage_step(self, batch_size: int) -> None:
+        """Runs on the stage worker after each backward: accumulate, and step once the stage reached its target."""
+        self._stage_optimizer.step(batch_size=batch_size)
+        self._stage_optimizer.zero_grad()
+
+    def _record(self, state: PeerState) -> PeerRecord:
+        server = self.server
+        throughput = server.throughput.samples_per_second if server is not None and server.throughput.num_updates else 0.0
+        queue = server.queued_samples if server is not None else 0
+        return PeerRecord(str(self.node.peer_id), self.served_stage, state, throughput, queue)
+
+    def _wrap_local_optimizer(self, trainer: Trainer) -> None:
+        if not self.optimizers:
+            return
+        if len(self.optimizers) != 1:
+            raise ValueError(f"SwarmStrategy supports one optimizer; configure_optimizers returned {len(self.optimizers)}")
+        local = swarm_optimizer(
+            self.node.dht, f"{self.run_id}_local", self.optimizers[0], self._resolve_target_batch_size(trainer),
+            self.matchmaking_time, self.averaging_timeout,
+        )
+        local.load_state_from_peers()
+        self.optimizers = [local]
+
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        has_local_params = any(p.requires_grad for p in self.lightning_module.parameters())
+        if self.role == "serve" or not has_local_params:
+            self.optimizers, self.lr_scheduler_configs = [], []
+            return
+        super().setup_optimizers(trainer)
+
+    def _resolve_target_batch_size(self, trainer: Trainer) -> int:
+        if self.target_batch_size is None:
+            batch_size = getattr(trainer.datamodule, "batch_size", None)
+            if not isinstance(batch_size, int):
+                raise ValueError(
+                    "Set target_batch_size (or SWARM_TARGET_BATCH_SIZE): the samples, summed over the swarm, "
+                    "after which the swarm takes an optimizer step"
+                )
+            self.target_batch_size = batch_size
+        return self.target_batch_size
+
+    def _wait_for_stages(self) -> None:
+        """Block until every stage has a serving peer, logging which ones are missing."""
+        deadline = time.monotonic() + self.join_timeout
+        while True:
+            missing = [k for k in range(self.num_stages) if self.router.choose(k, 1) is None]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise StageUnavailableError(
+                    f"Stages {missing} of run {self.run_id!r} have no live peer after {self.join_timeout:.0f}s: "
+                    f"start peers that serve them (or check initial_peers)"
+                )
+            log.warning("Waiting for peers to serve stage(s) %s", missing)
+            for k in missing:
+                self.router.refresh(k, force=True)
+            time.sleep(1.0)
+
+    def _serve_until_stopped(self, trainer: Trainer) -> None:
+        log.warning("Serving until this process receives SIGTERM or SIGINT")
+        self._stop_requested.wait()
+        trainer.should_stop = True
+
+    def _linger(self) -> None:
+        """Keep serving while other peers still send work, so that finishing first does not strand them."""
+        while time.monotonic() - self.server.last_request < self.linger:
+            time.sleep(0.2)
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def request_stop(signum: int, frame: Any) -> None:
+            if self._stop_requested.is_set():
+                raise KeyboardInterrupt  # a second signal: stop now
+            log.warning("Received signal %d: finishing the current step, then leaving the swarm", signum)
+            self._stop_requested.set()
+
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
+
+
+def _as_list(value: Union[str, list[str]]) -> list[str]:
+    if isinstance(value, str):
+        return [item.strip() for item in value.replace(" ", ",").split(",") if item.strip()]
+    return list(value)
+
+
+def _setting(name: str, value: Any, cast: Callable[[Any], T], default: Any) -> Any:
+    """An argument's value: the one given, else the environment variable SWARM_<NAME>, else the default."""
+    if value is not None:
+        return cast(value)
+    env = os.environ.get(ENV_PREFIX + name.upper())
+    if env is not None and env != "":
+        return cast(env)
+    return default
