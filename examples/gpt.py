@@ -5,13 +5,20 @@ The transformer blocks live in one ``nn.Sequential`` (``GPT.blocks``), the part 
 pipeline strategy cuts into stages.
 """
 
+import argparse
 import importlib.util
+import json
+import os
+import time
+from typing import Optional
 
 import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
+
+import lightning_swarm  # noqa: F401  (registers strategy="swarm")
 
 
 class StdlibCorpus:
@@ -169,12 +176,66 @@ class GPT(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 
 
+class History(L.Callback):
+    """Records the training loss and timing of this peer, and writes them to ``path`` as JSON as it goes."""
+
+    def __init__(self, path: Optional[str] = None, save: Optional[str] = None, every: int = 5) -> None:
+        self.path, self.save, self.every = path, save, every
+        self.losses: list[float] = []
+        self.samples, self.start = 0, time.time()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+        self.samples += len(batch[0])
+        if self.path and len(self.losses) % self.every == 0:
+            self.write(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.path:
+            self.write(trainer)
+        if self.save:  # while the swarm is still up: the checkpoint gathers every stage from it
+            trainer.save_checkpoint(self.save)
+
+    def write(self, trainer: L.Trainer) -> None:
+        strategy = trainer.strategy
+        router = getattr(strategy, "router", None)
+        summary = dict(
+            steps=len(self.losses), samples=self.samples, seconds=time.time() - self.start, losses=self.losses,
+            stage=getattr(strategy, "served_stage", None), failovers=router.stats.failovers if router else 0,
+            calls_per_peer=router.stats.chosen if router else {},
+        )
+        with open(self.path + ".tmp", "w") as f:
+            json.dump(summary, f)
+        os.replace(self.path + ".tmp", self.path)
+
+
 def main() -> None:
-    """Train on a single process."""
-    L.seed_everything(0)
-    dm = CharDataModule()
-    model = GPT(dm.vocab_size)
-    trainer = L.Trainer(max_steps=200, accelerator="cpu", val_check_interval=100, limit_val_batches=20)
+    """Train the GPT on the swarm. Every peer runs this same script; the swarm is configured by SWARM_* variables."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--max-steps", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0, help="model initialisation: the same on every peer")
+    parser.add_argument("--data-seed", type=int, default=0, help="order of this peer's batches")
+    parser.add_argument("--single", action="store_true", help="plain single-process training, for comparison")
+    parser.add_argument("--history", help="write this peer's loss history here (JSON)")
+    parser.add_argument("--save", help="save the complete model here at the end (a normal Lightning checkpoint)")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    L.seed_everything(args.seed)
+    dm = CharDataModule(block_size=args.block_size, batch_size=args.batch_size, seed=args.data_seed)
+    model = GPT(dm.vocab_size, args.block_size, args.d_model, args.n_layer, args.n_head, lr=args.lr)
+    history = History(args.history, args.save)
+    trainer = L.Trainer(
+        strategy="auto" if args.single else "swarm", accelerator="auto", max_steps=args.max_steps,
+        callbacks=[history], logger=False, enable_checkpointing=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, enable_progress_bar=False,
+    )
     trainer.fit(model, dm)
 
 

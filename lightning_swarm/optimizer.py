@@ -26,6 +26,30 @@ def restrict_to(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Para
     return type(optimizer)(groups)
 
 
+@torch.no_grad()
+def create_state(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate the optimizer's state as its first step would, without that step's effects.
+
+    hivemind averages optimizer state, so it needs the state tensors up front; left alone it creates them with a
+    real step on zero gradients, which applies weight decay and advances the step count (changing Adam's bias
+    correction). Here parameters are restored and step counts reset, so the first real step is the one of a fresh
+    optimizer.
+    """
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved = [(p.detach().clone(), p.grad) for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for p, (value, grad) in zip(params, saved):
+        p.copy_(value)
+        p.grad = grad
+    for state in optimizer.state.values():
+        if "step" in state:
+            state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0
+
+
 def swarm_optimizer(
     dht: DHT,
     prefix: str,
@@ -35,6 +59,7 @@ def swarm_optimizer(
     averaging_timeout: float,
 ) -> hivemind.Optimizer:
     """Wrap ``optimizer`` so that it steps once per ``target_batch_size`` samples of all peers under ``prefix``."""
+    create_state(optimizer)
     return hivemind.Optimizer(
         dht=dht,
         run_id=prefix,

@@ -81,16 +81,16 @@ class SwarmStrategy(Strategy):
         announce_maddrs: multiaddrs other peers should dial (e.g. a public IP), when they differ from host_maddrs.
         identity_path: file holding this peer's private key, for a stable peer id (created if missing).
         address_file: if set, this peer writes its multiaddrs there (one per line) once it is reachable.
-        matchmaking_time: seconds peers spend forming an all-reduce group before a step.
-        averaging_timeout: seconds after which an all-reduce gives up and the peer steps with its own gradients.
-        request_timeout: seconds to wait for a stage's reply before trying another peer of the stage.
-        max_retries: attempts on other peers before a microbatch's stage is reported unavailable.
-        ban_timeout: seconds a peer that failed a call is not chosen again (doubling on repeated failures).
-        update_period: seconds between refreshes of this peer's DHT record.
-        join_timeout: seconds a driving peer waits for every stage to have a live peer before training.
-        linger: seconds a serving peer that finished training keeps serving while others still send it work.
-        max_queue: requests a stage server keeps waiting; beyond that it answers "busy".
-        max_request_bytes: largest request a stage server accepts.
+        matchmaking_time: seconds peers spend forming an all-reduce group before a step. Default 5.
+        averaging_timeout: seconds after which an all-reduce gives up and the peer steps with its own gradients. Default 30.
+        request_timeout: seconds to wait for a stage's reply before trying another peer of the stage. Default 60.
+        max_retries: attempts on other peers before a microbatch's stage is reported unavailable. Default 5.
+        ban_timeout: seconds a peer that failed a call is not chosen again (doubling on repeated failures). Default 15.
+        update_period: seconds between refreshes of this peer's DHT record. Default 10.
+        join_timeout: seconds a driving peer waits for every stage to have a live peer before training. Default 300.
+        linger: seconds a serving peer that finished training keeps serving while others still send it work. Default 5.
+        max_queue: requests a stage server keeps waiting; beyond that it answers "busy". Default 64.
+        max_request_bytes: largest request a stage server accepts. Default 256 MiB.
     """
 
     strategy_name = "swarm"
@@ -109,16 +109,16 @@ class SwarmStrategy(Strategy):
         announce_maddrs: Optional[Union[str, list[str]]] = None,
         identity_path: Optional[str] = None,
         address_file: Optional[str] = None,
-        matchmaking_time: float = 5.0,
-        averaging_timeout: float = 30.0,
-        request_timeout: float = 60.0,
-        max_retries: int = 5,
-        ban_timeout: float = 15.0,
-        update_period: float = 10.0,
-        join_timeout: float = 300.0,
-        linger: float = 5.0,
-        max_queue: int = 64,
-        max_request_bytes: int = 256 * 2**20,
+        matchmaking_time: Optional[float] = None,
+        averaging_timeout: Optional[float] = None,
+        request_timeout: Optional[float] = None,
+        max_retries: Optional[int] = None,
+        ban_timeout: Optional[float] = None,
+        update_period: Optional[float] = None,
+        join_timeout: Optional[float] = None,
+        linger: Optional[float] = None,
+        max_queue: Optional[int] = None,
+        max_request_bytes: Optional[int] = None,
     ) -> None:
         super().__init__()
         self.run_id = _setting("run_id", run_id, str, "swarm")
@@ -141,10 +141,16 @@ class SwarmStrategy(Strategy):
         self.announce_maddrs = _setting("announce_maddrs", announce_maddrs, _as_list, [])
         self.identity_path = _setting("identity_path", identity_path, str, None)
         self.address_file = _setting("address_file", address_file, str, None)
-        self.matchmaking_time, self.averaging_timeout = matchmaking_time, averaging_timeout
-        self.request_timeout, self.max_retries, self.ban_timeout = request_timeout, max_retries, ban_timeout
-        self.update_period, self.join_timeout, self.linger = update_period, join_timeout, linger
-        self.max_queue, self.max_request_bytes = max_queue, max_request_bytes
+        self.matchmaking_time = _setting("matchmaking_time", matchmaking_time, float, 5.0)
+        self.averaging_timeout = _setting("averaging_timeout", averaging_timeout, float, 30.0)
+        self.request_timeout = _setting("request_timeout", request_timeout, float, 60.0)
+        self.max_retries = _setting("max_retries", max_retries, int, 5)
+        self.ban_timeout = _setting("ban_timeout", ban_timeout, float, 15.0)
+        self.update_period = _setting("update_period", update_period, float, 10.0)
+        self.join_timeout = _setting("join_timeout", join_timeout, float, 300.0)
+        self.linger = _setting("linger", linger, float, 5.0)
+        self.max_queue = _setting("max_queue", max_queue, int, 64)
+        self.max_request_bytes = _setting("max_request_bytes", max_request_bytes, int, 256 * 2**20)
         self.parallel_devices: Optional[list[torch.device]] = None  # filled in by Lightning's connector
 
         self.node: Optional[SwarmNode] = None
@@ -355,10 +361,10 @@ class SwarmStrategy(Strategy):
         self._stage_optimizer.zero_grad()
 
     def _record(self, state: PeerState) -> PeerRecord:
-        server = self.server
-        throughput = server.throughput.samples_per_second if server is not None and server.throughput.num_updates else 0.0
-        queue = server.queued_samples if server is not None else 0
-        return PeerRecord(str(self.node.peer_id), self.served_stage, state, throughput, queue)
+        info = self.server.info() if self.server is not None else {}
+        return PeerRecord(
+            str(self.node.peer_id), self.served_stage, state, info.get("throughput", 0.0), info.get("queued_samples", 0)
+        )
 
     def _wrap_local_optimizer(self, trainer: Trainer) -> None:
         if not self.optimizers:

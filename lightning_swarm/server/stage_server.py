@@ -65,12 +65,9 @@ class StageServer(ServicerBase):
         self._tasks: queue.Queue = queue.Queue(maxsize=max_queue)
         self._queued_samples = 0
         self.last_request = time.monotonic()
+        self.backward_samples = 0  # samples whose gradients reached the stage optimizer
         self._worker = threading.Thread(target=self._work, name=f"stage{stage}-worker", daemon=True)
         self._worker.start()
-
-    @property
-    def queued_samples(self) -> int:
-        return self._queued_samples
 
     # ---- RPC handlers -------------------------------------------------------------------------------------------
 
@@ -93,6 +90,19 @@ class StageServer(ServicerBase):
         request = await protocol.gather_request(requests, self.max_request_bytes)
         for part in protocol.stream_response(await self.answer("backward", request, context.remote_id)):
             yield part
+
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        """The stage's load and progress, as a msgpack dict."""
+        self._check_uid(request.uid)
+        return runtime_pb2.ExpertInfo(serialized_info=protocol.encode_metadata(self.info()))
+
+    def info(self) -> dict:
+        return dict(
+            stage=self.stage,
+            queued_samples=self._queued_samples,
+            throughput=self.throughput.samples_per_second if self.throughput.num_updates else 0.0,
+            backward_samples=self.backward_samples,
+        )
 
     async def rpc_state(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
@@ -193,6 +203,7 @@ class StageServer(ServicerBase):
         grads = torch.autograd.grad(outputs, [inputs, *self.params], grad_outputs.to(self.device), allow_unused=True)
         for param, grad in zip(self.params, grads[1:]):
             param.grad = torch.zeros_like(param) if grad is None else grad
+        self.backward_samples += int(inputs.shape[0])
         if self.on_backward is not None:
             self.on_backward(int(inputs.shape[0]))
         return grads[0].cpu()

@@ -1,0 +1,117 @@
+"""Start a swarm of peer processes on this machine: for the demo and for tests.
+
+Each peer runs in its own session (process group), so that stopping it also stops the DHT process and the p2pd
+daemon it started, even after ``kill -9`` of the peer itself.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+@dataclass
+class Peer:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    address_path: Path
+
+    def addresses(self) -> list[str]:
+        return self.address_path.read_text().split() if self.address_path.exists() else []
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+class LocalSwarm:
+    """Peers on loopback that run ``script`` with the ``SWARM_*`` environment set for them.
+
+    The first peer started creates the swarm; later ones join through the addresses of a live peer.
+    Use it as a context manager: leaving it stops every peer's whole process group.
+    """
+
+    def __init__(self, script: Sequence[str], workdir: Path, run_id: str, env: Optional[dict] = None) -> None:
+        self.script, self.workdir, self.run_id = list(script), Path(workdir), run_id
+        self.env = dict(env or {})
+        self.peers: dict[str, Peer] = {}
+        self.workdir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, args: Sequence[str] = (), env: Optional[dict] = None, wait: float = 120.0) -> Peer:
+        """Start a peer and wait (up to ``wait`` seconds) until it is reachable."""
+        address_path = self.workdir / f"{name}.addr"
+        address_path.unlink(missing_ok=True)
+        peer_env = {**os.environ, **self.env, **(env or {})}
+        peer_env.update(SWARM_RUN_ID=self.run_id, SWARM_ADDRESS_FILE=str(address_path), PYTHONUNBUFFERED="1")
+        bootstrap = self.initial_peers()
+        if bootstrap:
+            peer_env["SWARM_INITIAL_PEERS"] = ",".join(bootstrap)
+        log_path = self.workdir / f"{name}.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, *self.script, *args], env=peer_env, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        peer = self.peers[name] = Peer(name, process, log_path, address_path)
+        deadline = time.monotonic() + wait
+        while not peer.addresses():
+            if not peer.alive():
+                raise RuntimeError(f"peer {name} exited with {process.returncode} before joining:\n{peer.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"peer {name} did not join within {wait:.0f}s:\n{peer.log()[-3000:]}")
+            time.sleep(0.2)
+        return peer
+
+    def initial_peers(self) -> list[str]:
+        for peer in self.peers.values():
+            if peer.alive() and peer.addresses():
+                return peer.addresses()
+        return []
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send ``sig`` to the peer process alone (as a preemption or a crash would)."""
+        peer = self.peers[name]
+        if peer.alive():
+            os.kill(peer.process.pid, sig)
+
+    def wait(self, name: str, timeout: float) -> int:
+        """Wait for a peer to exit; returns its exit code."""
+        return self.peers[name].process.wait(timeout=timeout)
+
+    def stop(self, name: str, grace: float = 10.0) -> None:
+        """Stop a peer and everything it started: SIGTERM to its process group, SIGKILL after ``grace`` seconds."""
+        peer = self.peers[name]
+        _signal_group(peer.process.pid, signal.SIGTERM)
+        try:
+            peer.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(peer.process.pid, signal.SIGKILL)  # the DHT child and p2pd may outlive the peer itself
+        peer.process.wait()
+
+    def stop_all(self, grace: float = 10.0) -> None:
+        for name in self.peers:
+            _signal_group(self.peers[name].process.pid, signal.SIGTERM)
+        for name in self.peers:
+            self.stop(name, grace)
+
+    def __enter__(self) -> "LocalSwarm":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass

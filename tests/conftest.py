@@ -1,0 +1,54 @@
+"""Shared fixtures: peers are real processes on loopback, and no process may outlive the suite."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT_SCRIPT = str(ROOT / "examples" / "gpt.py")
+sys.path.insert(0, str(ROOT / "examples"))
+
+# settings that keep test swarms fast and quiet; every timeout stays finite
+PEER_ENV = {
+    "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_descriptor",
+    "HIVEMIND_LOGLEVEL": "WARNING",
+    "PYTHONWARNINGS": "ignore",
+}
+SMALL_GPT = ["--d-model", "32", "--n-layer", "2", "--n-head", "2", "--block-size", "32", "--batch-size", "8"]
+
+
+def p2pd_processes() -> set[int]:
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "p2pd"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftover_processes():
+    """Fail the run if any p2pd daemon or peer started during the suite is still alive at its end."""
+    before = p2pd_processes()
+    yield
+    deadline = time.monotonic() + 15
+    while (left := p2pd_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    children = psutil.Process().children(recursive=True)
+    for process in [*children, *(psutil.Process(pid) for pid in left if psutil.pid_exists(pid))]:
+        process.kill()
+    assert not left, f"p2pd daemons left behind by the suite: {sorted(left)}"
+    assert not children, f"processes left behind by the suite: {[c.pid for c in children]}"
+
+
+@pytest.fixture
+def swarm(tmp_path, request):
+    """A LocalSwarm running examples/gpt.py peers, stopped (by process group) when the test ends."""
+    from lightning_swarm.launch import LocalSwarm
+
+    run_id = "t" + request.node.name.replace("[", "_").replace("]", "").replace("-", "_")[-40:]
+    with LocalSwarm([GPT_SCRIPT], tmp_path, run_id=run_id, env=PEER_ENV) as local_swarm:
+        yield local_swarm
+        for peer in local_swarm.peers.values():
+            if peer.process.returncode not in (None, 0, -9):
+                print(f"---- {peer.name} exited {peer.process.returncode}:\n{peer.log()[-4000:]}")
