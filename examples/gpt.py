@@ -203,6 +203,7 @@ class History(L.Callback):
             steps=len(self.losses), samples=self.samples, seconds=time.time() - self.start, losses=self.losses,
             stage=getattr(strategy, "served_stage", None), failovers=router.stats.failovers if router else 0,
             calls_per_peer=router.stats.chosen if router else {},
+            failed_calls_per_peer=router.stats.failed if router else {},
         )
         with open(self.path + ".tmp", "w") as f:
             json.dump(summary, f)

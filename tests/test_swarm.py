@@ -77,12 +77,13 @@ def test_four_peers_two_stages_loss_falls(swarm, tmp_path):
                     env={**env, "SWARM_STAGE": str(i % 2)})
     for i in range(4):
         assert swarm.wait(f"peer{i}", timeout=400) == 0, swarm.peers[f"peer{i}"].log()[-3000:]
-    for i in range(4):
-        losses = history(tmp_path / f"peer{i}.json")["losses"]
+    runs = [history(tmp_path / f"peer{i}.json")["losses"] for i in range(4)]
+    initial = runs[0][0]  # peer0 starts first, from the untrained model (later peers join a trained swarm)
+    for i, losses in enumerate(runs):
         assert len(losses) == steps
-        start, end = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-        print(f"peer{i}: loss {start:.3f} -> {end:.3f}")
-        assert end < start - 1.0
+        end = sum(losses[-5:]) / 5
+        print(f"peer{i}: first loss {losses[0]:.3f}, mean of the last five {end:.3f} (untrained: {initial:.3f})")
+        assert end < initial - 1.5
 
 
 def test_failover_after_kill_9(swarm, tmp_path):
@@ -100,13 +101,13 @@ def test_failover_after_kill_9(swarm, tmp_path):
     while not (record.exists() and history(record)["steps"] >= 10):
         assert time.monotonic() < deadline and swarm.peers["trainer"].alive()
         time.sleep(0.2)
-    calls_before = history(record)["calls_per_peer"].get(victim, 0)
-    assert calls_before > 0, "the victim served no work before it was killed"
+    assert history(record)["calls_per_peer"].get(victim, 0) > 0, "the victim served no work before it was killed"
     swarm.signal("stage1_b", signal.SIGKILL)
 
     assert swarm.wait("trainer", timeout=300) == 0, swarm.peers["trainer"].log()[-3000:]
     final = history(record)
     assert final["steps"] == steps and len(final["losses"]) == steps
-    calls_after = final["calls_per_peer"].get(victim, 0) - calls_before
-    print(f"failover: {final['failovers']} failovers, {calls_after} calls to the dead peer after the kill")
-    assert calls_after <= 2  # at most the calls in flight at the kill, then banned and forgotten
+    failed = final["failed_calls_per_peer"].get(victim, 0)
+    print(f"failover: {final['failovers']} failovers, {failed} failed calls to the dead peer")
+    assert final["failovers"] == failed  # every failed call was retried elsewhere and succeeded there
+    assert failed <= 2  # the calls in flight at the kill at most; then the peer is banned and forgotten

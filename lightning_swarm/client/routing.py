@@ -53,6 +53,7 @@ class RouterStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     chosen: dict = field(default_factory=dict)  # peer id -> number of calls sent there
+    failed: dict = field(default_factory=dict)  # peer id -> number of those calls that failed
 
 
 class StageRouter:
@@ -153,6 +154,7 @@ class StageRouter:
             except Exception as e:
                 last_error = e
                 tried.append(peer)
+                self.stats.failed[peer] = self.stats.failed.get(peer, 0) + 1
                 self._ban(stage, peer)
                 log.warning("Stage %d: peer %s failed (%r); retrying on another peer", stage, peer, e)
         raise StageUnavailableError(
