@@ -24,36 +24,38 @@ class PeerState(IntEnum):
 
 @dataclass(frozen=True)
 class PeerRecord:
-    """What a peer says about itself: its stage, state, compute throughput (samples/s) and queued samples."""
+    """What a peer says about itself: its stage (None: it only drives), state, compute throughput (samples/s),
+    queued samples, and whether it is still training on its own data."""
 
     peer_id: str
-    stage: int
+    stage: Optional[int]
     state: PeerState
     throughput: float
     queue: int
+    training: bool = False
 
     def to_value(self) -> tuple:
-        return (int(self.state), float(self.throughput), int(self.queue))
+        return (int(self.state), float(self.throughput), int(self.queue), int(self.training))
 
     @classmethod
-    def from_value(cls, peer_id: str, stage: int, value: object) -> Optional["PeerRecord"]:
+    def from_value(cls, peer_id: str, stage: Optional[int], value: object) -> Optional["PeerRecord"]:
         """Parse a record, or None for one that is malformed (records come from other peers)."""
         try:
-            state, throughput, queue = value
-            return cls(str(peer_id), stage, PeerState(int(state)), float(throughput), int(queue))
+            state, throughput, queue, training = value
+            return cls(str(peer_id), stage, PeerState(int(state)), float(throughput), int(queue), bool(training))
         except (TypeError, ValueError):
             return None
 
 
-def stage_key(run_id: str, stage: int) -> str:
-    return f"{run_id}_stage{stage}"
+def stage_key(run_id: str, stage: Optional[int]) -> str:
+    return f"{run_id}_drivers" if stage is None else f"{run_id}_stage{stage}"
 
 
 def meta_key(run_id: str) -> str:
     return f"{run_id}_meta"
 
 
-def fetch_stage(node: SwarmNode, run_id: str, stage: int) -> dict[str, PeerRecord]:
+def fetch_stage(node: SwarmNode, run_id: str, stage: Optional[int]) -> dict[str, PeerRecord]:
     """Live records of the peers of one stage, by peer id (base58)."""
     found = node.dht_get(stage_key(run_id, stage)) or {}
     records = (PeerRecord.from_value(peer, stage, value) for peer, value in found.items())
@@ -62,6 +64,12 @@ def fetch_stage(node: SwarmNode, run_id: str, stage: int) -> dict[str, PeerRecor
 
 def fetch_swarm(node: SwarmNode, run_id: str, num_stages: int) -> list[dict[str, PeerRecord]]:
     return [fetch_stage(node, run_id, k) for k in range(num_stages)]
+
+
+def training_peers(node: SwarmNode, run_id: str, num_stages: int) -> set[str]:
+    """Peers (serving or drive-only) that announce they are still training."""
+    groups = [*fetch_swarm(node, run_id, num_stages), fetch_stage(node, run_id, None)]
+    return {peer for records in groups for peer, record in records.items() if record.training}
 
 
 def check_run_meta(node: SwarmNode, run_id: str, meta: dict, ttl: float) -> None:

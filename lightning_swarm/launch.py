@@ -71,10 +71,8 @@ class LocalSwarm:
         return peer
 
     def initial_peers(self) -> list[str]:
-        for peer in self.peers.values():
-            if peer.alive() and peer.addresses():
-                return peer.addresses()
-        return []
+        """The addresses of every live peer: a newcomer bootstraps through whichever answers."""
+        return [address for peer in self.peers.values() if peer.alive() for address in peer.addresses()]
 
     def signal(self, name: str, sig: int) -> None:
         """Send ``sig`` to the peer process alone (as a preemption or a crash would)."""

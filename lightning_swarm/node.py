@@ -10,7 +10,7 @@ from typing import Any, Awaitable, Optional, Sequence, TypeVar
 
 from hivemind.dht import DHT
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 
 log = logging.getLogger(__name__)
@@ -38,9 +38,22 @@ class SwarmNode:
         self.dht: Optional[DHT] = None
         self.p2p: Optional[P2P] = None
 
-    def start(self) -> "SwarmNode":
+    def start(self, attempts: int = 3) -> "SwarmNode":
+        """Start the DHT (retrying a failed bootstrap, which a busy initial peer can cause) and the RPC replica."""
+        for attempt in range(1, attempts + 1):
+            try:
+                self.dht = self._create_dht()
+                break
+            except P2PDaemonError as e:
+                if attempt == attempts or not self.initial_peers:
+                    raise
+                log.warning("Could not join the swarm (attempt %d of %d): %s", attempt, attempts, e)
+        self.p2p = self.run(self.dht.replicate_p2p())
+        return self
+
+    def _create_dht(self) -> DHT:
         loopback_only = all(m.startswith("/ip4/127.") for m in self.host_maddrs)
-        self.dht = DHT(
+        return DHT(
             initial_peers=self.initial_peers or None,
             start=True,
             host_maddrs=self.host_maddrs,
@@ -52,8 +65,6 @@ class SwarmNode:
             auto_nat=not loopback_only,
             await_ready=True,
         )
-        self.p2p = self.run(self.dht.replicate_p2p())
-        return self
 
     @property
     def peer_id(self) -> PeerID:

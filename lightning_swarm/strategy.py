@@ -88,7 +88,8 @@ class SwarmStrategy(Strategy):
         ban_timeout: seconds a peer that failed a call is not chosen again (doubling on repeated failures). Default 15.
         update_period: seconds between refreshes of this peer's DHT record. Default 10.
         join_timeout: seconds a driving peer waits for every stage to have a live peer before training. Default 300.
-        linger: seconds a serving peer that finished training keeps serving while others still send it work. Default 5.
+        linger: longest time, in seconds, a serving peer that finished training keeps serving while other peers are
+            still training (so that finishing first does not strand them). Default 300.
         max_queue: requests a stage server keeps waiting; beyond that it answers "busy". Default 64.
         max_request_bytes: largest request a stage server accepts. Default 256 MiB.
     """
@@ -148,7 +149,7 @@ class SwarmStrategy(Strategy):
         self.ban_timeout = _setting("ban_timeout", ban_timeout, float, 15.0)
         self.update_period = _setting("update_period", update_period, float, 10.0)
         self.join_timeout = _setting("join_timeout", join_timeout, float, 300.0)
-        self.linger = _setting("linger", linger, float, 5.0)
+        self.linger = _setting("linger", linger, float, 300.0)
         self.max_queue = _setting("max_queue", max_queue, int, 64)
         self.max_request_bytes = _setting("max_request_bytes", max_request_bytes, int, 256 * 2**20)
         self.parallel_devices: Optional[list[torch.device]] = None  # filled in by Lightning's connector
@@ -163,6 +164,7 @@ class SwarmStrategy(Strategy):
         self._pipeline_name: Optional[str] = None
         self._batch_size: Optional[int] = None
         self._stop_requested = threading.Event()
+        self._training = False
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -238,10 +240,25 @@ class SwarmStrategy(Strategy):
         super().setup(trainer)
         if fitting and self.role != "serve":
             self._wrap_local_optimizer(trainer)
+        if self.role == "drive":
+            self._announcer = Announcer(self.node, self.run_id, lambda: self._record(PeerState.SERVING), self.update_period)
+            self._announcer.start()
         if self.role != "serve":
             self._wait_for_stages()
         if fitting and self.role == "serve":
             self._serve_until_stopped(trainer)
+
+    def on_train_start(self) -> None:
+        self._set_training(True)
+
+    def on_train_end(self) -> None:
+        self._set_training(False)
+
+    def _set_training(self, training: bool) -> None:
+        """Tell the swarm whether this peer still trains: serving peers that finished wait for it."""
+        self._training = training
+        if self._announcer is not None:
+            self._announcer.announce()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._batch_size = extract_batch_size(batch)
@@ -363,7 +380,8 @@ class SwarmStrategy(Strategy):
     def _record(self, state: PeerState) -> PeerRecord:
         info = self.server.info() if self.server is not None else {}
         return PeerRecord(
-            str(self.node.peer_id), self.served_stage, state, info.get("throughput", 0.0), info.get("queued_samples", 0)
+            str(self.node.peer_id), self.served_stage, state, info.get("throughput", 0.0),
+            info.get("queued_samples", 0), self._training,
         )
 
     def _wrap_local_optimizer(self, trainer: Trainer) -> None:
@@ -419,9 +437,17 @@ class SwarmStrategy(Strategy):
         trainer.should_stop = True
 
     def _linger(self) -> None:
-        """Keep serving while other peers still send work, so that finishing first does not strand them."""
-        while time.monotonic() - self.server.last_request < self.linger:
-            time.sleep(0.2)
+        """Keep serving while other peers are still training, so that finishing first does not strand them."""
+        deadline = time.monotonic() + self.linger
+        while time.monotonic() < deadline and not self._stop_requested.is_set():
+            try:
+                others = discovery.training_peers(self.node, self.run_id, self.num_stages) - {str(self.node.peer_id)}
+            except Exception as e:
+                log.warning("Could not read the swarm while lingering: %r", e)
+                others = {"unknown"}
+            if not others:
+                return
+            time.sleep(self.update_period / 2)
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():

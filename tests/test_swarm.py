@@ -17,7 +17,7 @@ FAST = {  # short timeouts so that a test swarm reacts within seconds
     "SWARM_REQUEST_TIMEOUT": "20.0",
     "SWARM_BAN_TIMEOUT": "30.0",
     "SWARM_JOIN_TIMEOUT": "120.0",
-    "SWARM_LINGER": "3.0",
+    "SWARM_LINGER": "120.0",
 }
 
 

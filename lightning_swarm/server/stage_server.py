@@ -64,7 +64,6 @@ class StageServer(ServicerBase):
         self.lock = threading.Lock()  # held by the worker while it computes; others take it to read the state
         self._tasks: queue.Queue = queue.Queue(maxsize=max_queue)
         self._queued_samples = 0
-        self.last_request = time.monotonic()
         self.backward_samples = 0  # samples whose gradients reached the stage optimizer
         self._worker = threading.Thread(target=self._work, name=f"stage{stage}-worker", daemon=True)
         self._worker.start()
@@ -121,7 +120,6 @@ class StageServer(ServicerBase):
 
     async def answer(self, kind: str, request: runtime_pb2.ExpertRequest, caller: object = "this peer"):
         """Validate a forward or backward request, run it on the worker and encode the reply."""
-        self.last_request = time.monotonic()
         try:
             self._check_uid(request.uid)
             metadata = protocol.decode_metadata(request.metadata)
