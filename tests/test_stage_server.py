@@ -249,10 +249,15 @@ def test_bad_requests_are_refused_and_leave_the_stage_untouched(swarm, fd_sharin
         # (hivemind sends str(e), not repr(e), on streams: the class name is lost, see the report)
         refused(lambda: client.call_stream("forward", just_over, 2**18), stream_cap, remote="")
         refused(lambda: client.call_stream("backward", just_over, 2**18), stream_cap, remote="")
+        # crossing the cap mid-stream (the caller still sending): no hang and never a result; but the refusal may
+        # reach the caller as a BrokenPipeError or as an empty reply instead of the error (see the report)
         try:
-            client.call_stream("forward", big, 2**18)
-        except Exception as e:
-            print("  mid-stream refusal:", repr(e)[:300])
+            reply = client.call_stream("forward", big, 2**18)
+        except (P2PHandlerError, ConnectionError) as e:
+            print(f"  mid-stream refusal: {e!r}"[:200])
+        else:
+            assert not reply, "a request above the cap was served"
+            print("  mid-stream refusal arrived as an empty reply")
         # while a streamed request below the cap is served (so the refusal above is the cap, not the stream)
         assert client.call_stream("forward", x, 2**12)[0].shape == x.shape
 
@@ -272,5 +277,28 @@ def test_bad_requests_are_refused_and_leave_the_stage_untouched(swarm, fd_sharin
         assert client.info()["backward_samples"] == 4
         assert peer.alive()
         print(f"done in {time.monotonic() - start:.1f}s")
+    finally:
+        node.shutdown()
+
+
+@pytest.mark.xfail(strict=True, reason="bug: an empty tensor with a huge batch dimension passes the size cap and "
+                   "its batch dimension is counted as samples (see test module docstring)")
+def test_empty_tensor_with_a_huge_batch_dimension_is_refused(swarm, fd_sharing):
+    """A [10^9, 0, 32] tensor costs 0 bytes: it passes the cap and the stage computes on it without error, so its
+    batch dimension must not reach the throughput estimate nor the stage optimizer's sample count."""
+    peer = swarm.start("server", SMALL_GPT, env=SERVE_ENV)
+    node = SwarmNode(initial_peers=peer.addresses()).start()
+    try:
+        client = RawClient(node, PeerID.from_base58(peer.addresses()[0].rsplit("/", 1)[-1]), swarm.run_id)
+        wait_until_serving(client, peer)
+        empty = torch.empty(10**9, 0, D_MODEL)
+        assert len(wire(empty).buffer) == 0
+        try:
+            refused(lambda: client.call("forward", [wire(empty)]))
+            refused(lambda: client.call("backward", [wire(empty), wire(empty)]))
+        finally:
+            info = client.info()
+            print(f"  after empty requests: {info}")
+        assert info["backward_samples"] == 0 and info["throughput"] < 1e6, info
     finally:
         node.shutdown()
