@@ -48,7 +48,10 @@ def encode_metadata(metadata: dict) -> bytes:
 
 
 def decode_metadata(raw: bytes) -> dict:
-    metadata = MSGPackSerializer.loads(raw) if raw else {}
+    try:
+        metadata = MSGPackSerializer.loads(raw) if raw else {}
+    except Exception as e:
+        raise SwarmRequestError(f"request metadata is not valid msgpack: {e!r}") from None
     if not isinstance(metadata, dict):
         raise SwarmRequestError("request metadata must be a msgpack dict")
     return metadata
@@ -69,6 +72,8 @@ async def call(
     async for response in aiter_with_timeout(stream, timeout):
         parts.extend(response.tensors)
         reply_metadata = reply_metadata or response.metadata
+    if not parts:
+        raise ConnectionError(f"rpc_{method}_stream ended without a reply")
     return combine(parts), decode_metadata(reply_metadata)
 
 
@@ -83,6 +88,10 @@ async def gather_request(
         uid, metadata = request.uid, metadata or request.metadata
         size += payload_bytes(request.tensors)
         if size > max_bytes:
+            async for request in requests:  # closing the stream while the caller still writes loses the error
+                size += payload_bytes(request.tensors)
+                if size > 2 * max_bytes:
+                    break
             raise SwarmRequestError(f"request exceeds the size cap of {max_bytes} bytes")
         parts.extend(request.tensors)
     return runtime_pb2.ExpertRequest(uid=uid or "", tensors=combine(parts), metadata=metadata)

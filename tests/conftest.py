@@ -9,6 +9,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+# before anything imports hivemind: its default, file_system sharing, starts a torch_shm_manager that outlives tests
+os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
+
 ROOT = Path(__file__).resolve().parents[1]
 GPT_SCRIPT = str(ROOT / "examples" / "gpt.py")
 sys.path.insert(0, str(ROOT / "examples"))

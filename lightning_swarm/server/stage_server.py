@@ -79,15 +79,24 @@ class StageServer(ServicerBase):
     async def rpc_forward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        request = await protocol.gather_request(requests, self.max_request_bytes)
-        for part in protocol.stream_response(await self.answer("forward", request, context.remote_id)):
+        async for part in self._answer_stream("forward", requests, context):
             yield part
 
     async def rpc_backward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        request = await protocol.gather_request(requests, self.max_request_bytes)
-        for part in protocol.stream_response(await self.answer("backward", request, context.remote_id)):
+        async for part in self._answer_stream("backward", requests, context):
+            yield part
+
+    async def _answer_stream(
+        self, kind: str, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        try:
+            request = await protocol.gather_request(requests, self.max_request_bytes)
+            response = await self.answer(kind, request, context.remote_id)
+        except (SwarmRequestError, StageBusyError) as e:
+            raise type(e)(repr(e)) from None  # hivemind sends str(e) on streams: keep the class name for callers
+        for part in protocol.stream_response(response):
             yield part
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
@@ -123,7 +132,9 @@ class StageServer(ServicerBase):
         try:
             self._check_uid(request.uid)
             metadata = protocol.decode_metadata(request.metadata)
-            codec = compression.check_codec(str(metadata.get("codec", "none")))
+            codec = str(metadata.get("codec", "none"))
+            if codec not in compression.CODECS:
+                raise SwarmRequestError(f"unknown compression {codec!r}")
             expected = 1 if kind == "forward" else 2
             if len(request.tensors) != expected:
                 raise SwarmRequestError(f"{kind} expects {expected} tensor(s), got {len(request.tensors)}")
@@ -148,6 +159,8 @@ class StageServer(ServicerBase):
             tensor = compression.deserialize(message)
         except Exception as e:
             raise SwarmRequestError(f"undecodable tensor: {e!r}") from None
+        if tensor.numel() == 0:  # costs no bytes whatever its batch dimension, which would count as samples
+            raise SwarmRequestError(f"empty tensor of shape {list(tensor.shape)}")
         if tensor.dtype != self.dtype:
             raise SwarmRequestError(f"expected a {self.dtype} tensor, got {tensor.dtype}")
         if not torch.isfinite(tensor).all():
