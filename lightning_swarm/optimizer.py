@@ -6,11 +6,13 @@ gradients until the peers sharing it (the peers of that stage, or all trainers) 
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Iterable
 
 import hivemind
 import torch
 from hivemind.dht import DHT
+from hivemind.optim.grad_averager import GradientAverager
 
 
 def restrict_to(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -60,6 +62,7 @@ def swarm_optimizer(
 ) -> hivemind.Optimizer:
     """Wrap ``optimizer`` so that it steps once per ``target_batch_size`` samples of all peers under ``prefix``."""
     create_state(optimizer)
+    request_timeout = min(1.0, matchmaking_time / 2)  # hivemind: must stay below matchmaking time
     return hivemind.Optimizer(
         dht=dht,
         run_id=prefix,
@@ -71,7 +74,8 @@ def swarm_optimizer(
         delay_state_averaging=False,
         delay_optimizer_step=False,
         delay_grad_averaging=False,
-        averager_opts=dict(request_timeout=min(1.0, matchmaking_time / 2)),
+        averager_opts=dict(request_timeout=request_timeout),  # hivemind 1.1.12 passes these to the state averager only
+        grad_averager_factory=partial(GradientAverager, request_timeout=request_timeout),
         tracker_opts=dict(min_refresh_period=0.2, max_refresh_period=2.0, metadata_expiration=4 * averaging_timeout),
         shutdown_timeout=2,
         verbose=False,
