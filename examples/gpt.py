@@ -182,6 +182,7 @@ class History(L.Callback):
     def __init__(self, path: Optional[str] = None, save: Optional[str] = None, every: int = 5) -> None:
         self.path, self.save, self.every = path, save, every
         self.losses: list[float] = []
+        self.val_losses: list[float] = []
         self.samples, self.start = 0, time.time()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -189,6 +190,12 @@ class History(L.Callback):
         self.samples += len(batch[0])
         if self.path and len(self.losses) % self.every == 0:
             self.write(trainer)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
+            if self.path:
+                self.write(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.path:
@@ -201,6 +208,7 @@ class History(L.Callback):
         router = getattr(strategy, "router", None)
         summary = dict(
             steps=len(self.losses), samples=self.samples, seconds=time.time() - self.start, losses=self.losses,
+            val_losses=self.val_losses,
             stage=getattr(strategy, "served_stage", None), failovers=router.stats.failovers if router else 0,
             calls_per_peer=router.stats.chosen if router else {},
             failed_calls_per_peer=router.stats.failed if router else {},
@@ -222,6 +230,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0, help="model initialisation: the same on every peer")
     parser.add_argument("--data-seed", type=int, default=0, help="order of this peer's batches")
+    parser.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: never)")
+    parser.add_argument("--val-batches", type=int, default=4)
     parser.add_argument("--single", action="store_true", help="plain single-process training, for comparison")
     parser.add_argument("--history", help="write this peer's loss history here (JSON)")
     parser.add_argument("--save", help="save the complete model here at the end (a normal Lightning checkpoint)")
@@ -235,9 +245,12 @@ def main() -> None:
     trainer = L.Trainer(
         strategy="auto" if args.single else "swarm", accelerator="auto", max_steps=args.max_steps,
         callbacks=[history], logger=False, enable_checkpointing=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, enable_progress_bar=False,
+        val_check_interval=args.val_every or None, limit_val_batches=args.val_batches if args.val_every else 0,
+        num_sanity_val_steps=0, enable_progress_bar=False,
     )
     trainer.fit(model, dm)
+    if args.val_every:
+        trainer.validate(model, dm)  # after fit, the same Trainer rejoins the swarm to evaluate
 
 
 if __name__ == "__main__":

@@ -158,6 +158,7 @@ class SwarmStrategy(Strategy):
         self.router: Optional[StageRouter] = None
         self.server: Optional[StageServer] = None
         self.served_stage: Optional[int] = None
+        self._stage_module: Optional[nn.Module] = None  # the blocks of the served stage, kept across runs
         self._announcer: Optional[Announcer] = None
         self._stage_optimizer = None
         self._spans: list[partitioning.StageSpan] = []
@@ -271,8 +272,13 @@ class SwarmStrategy(Strategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The complete model: local modules plus every stage's current state, gathered from live peers."""
         state = super().lightning_module_state_dict()
-        if self.router is None or self._pipeline_name is None:
+        if self._pipeline_name is None:
             return state
+        if self.router is None:
+            raise RuntimeError(
+                "The complete model is gathered from the swarm: save checkpoints while this peer is in it (during "
+                "fit, e.g. with ModelCheckpoint or in on_train_end), not after fit/validate/test returned"
+            )
         state = {k: v for k, v in state.items() if not k.startswith(self._pipeline_name + ".")}
         for span in self._spans:
             for key, tensor in self.fetch_stage_state(span.index).items():
@@ -301,7 +307,8 @@ class SwarmStrategy(Strategy):
             shutdown = getattr(opt, "shutdown", None)
             if shutdown is not None:
                 shutdown()
-        self._stage_optimizer = None
+        self._stage_optimizer, self.optimizers = None, []
+        self.router = None
         if self.node is not None:
             self.node.shutdown()
             self.node = None
@@ -310,22 +317,20 @@ class SwarmStrategy(Strategy):
     # ---- the steps ------------------------------------------------------------------------------------------------
 
     def _partition_and_serve(self, trainer: Trainer, fitting: bool) -> None:
-        """Cut the pipeline, serve this peer's stage, and put the remote pipeline in the LightningModule's place."""
+        """Cut the pipeline, serve this peer's stage, and put the remote pipeline in the LightningModule's place.
+
+        The cut is made once per strategy: a later ``validate``/``test``/``predict`` (or another ``fit``) with the
+        same Trainer rejoins the swarm with the same stage, whose blocks this peer kept.
+        """
         module = self.lightning_module
-        self._pipeline_name = partitioning.find_pipeline(module, self.pipeline)
-        pipeline = getattr(module, self._pipeline_name)
-        self._spans = partitioning.balance_by_parameters(list(pipeline), self.num_stages)
+        if self._pipeline_name is None:
+            self._partition(module)
         layout = {"num_stages": self.num_stages, "spans": [[s.start, s.end] for s in self._spans]}
         discovery.check_run_meta(self.node, self.run_id, layout, ttl=max(60.0, 6 * self.update_period))
-
-        if self.role != "drive":
-            self.served_stage = self._choose_stage()
-            stage_module = partitioning.stage_module(pipeline, self._spans[self.served_stage])
-            _materialize_meta_tensors(stage_module, self.root_device)
-            stage_module.to(self.root_device)
+        if self._stage_module is not None:
             if fitting:
-                self._stage_optimizer = self._build_stage_optimizer(trainer, stage_module)
-            self._start_server(stage_module)
+                self._stage_optimizer = self._build_stage_optimizer(trainer)
+            self._start_server()
 
         self.router = StageRouter(
             self.node, self.run_id, self.num_stages, self.request_timeout, self.max_retries, self.ban_timeout,
@@ -333,6 +338,23 @@ class SwarmStrategy(Strategy):
         )
         self.router.local_server = self.server
         setattr(module, self._pipeline_name, RemotePipeline(self.router, self.compression))
+
+    def _partition(self, module: LightningModule) -> None:
+        """Balance the stages, keep this peer's stage and drop the other blocks (never allocated on meta)."""
+        if any(isinstance(child, RemotePipeline) for child in module.children()):
+            raise ValueError(
+                f"This {type(module).__name__} already had its pipeline handed to a swarm by another Trainer: "
+                f"build the model anew, or reuse the same Trainer for validate/test/predict"
+            )
+        self._pipeline_name = partitioning.find_pipeline(module, self.pipeline)
+        pipeline = getattr(module, self._pipeline_name)
+        self._spans = partitioning.balance_by_parameters(list(pipeline), self.num_stages)
+        if self.role != "drive":
+            self.served_stage = self._choose_stage()
+            self._stage_module = partitioning.stage_module(pipeline, self._spans[self.served_stage])
+            _materialize_meta_tensors(self._stage_module, self.root_device)
+            self._stage_module.to(self.root_device)
+        setattr(module, self._pipeline_name, nn.Identity())  # placeholder until the RemotePipeline takes its place
         _materialize_meta_tensors(module, self.root_device)  # the local modules, if built on the meta device
 
     def _choose_stage(self) -> int:
@@ -342,21 +364,30 @@ class SwarmStrategy(Strategy):
         fewest = min(counts)
         return random.choice([k for k, count in enumerate(counts) if count == fewest])
 
-    def _build_stage_optimizer(self, trainer: Trainer, stage_module: nn.Module) -> Any:
-        """The user's optimizer (class and per-group hyper-parameters) over this stage's parameters."""
-        optimizers, _ = _init_optimizers_and_lr_schedulers(self.lightning_module)
+    def _build_stage_optimizer(self, trainer: Trainer) -> Any:
+        """The user's optimizer (class and per-group hyper-parameters) over this stage's parameters.
+
+        ``configure_optimizers`` runs with the stage in the pipeline's place, so that ``self.parameters()``
+        covers exactly the local modules and this stage.
+        """
+        module, pipeline = self.lightning_module, getattr(self.lightning_module, self._pipeline_name)
+        setattr(module, self._pipeline_name, self._stage_module)
+        try:
+            optimizers, _ = _init_optimizers_and_lr_schedulers(module)
+        finally:
+            setattr(module, self._pipeline_name, pipeline)
         if len(optimizers) != 1:
             raise ValueError(f"SwarmStrategy supports one optimizer; configure_optimizers returned {len(optimizers)}")
-        stage_optimizer = restrict_to(optimizers[0], stage_module.parameters())
+        stage_optimizer = restrict_to(optimizers[0], self._stage_module.parameters())
         return swarm_optimizer(
             self.node.dht, f"{self.run_id}_stage{self.served_stage}", stage_optimizer,
             self._resolve_target_batch_size(trainer), self.matchmaking_time, self.averaging_timeout,
         )
 
-    def _start_server(self, stage_module: nn.Module) -> None:
+    def _start_server(self) -> None:
         stage = self.served_stage
         self.server = StageServer(
-            self.run_id, stage, stage_module, self.root_device,
+            self.run_id, stage, self._stage_module, self.root_device,
             on_backward=self._stage_step if self._stage_optimizer is not None else None,
             max_queue=self.max_queue, max_request_bytes=self.max_request_bytes,
         )
@@ -452,8 +483,13 @@ class SwarmStrategy(Strategy):
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
+        main_pid = os.getpid()
 
         def request_stop(signum: int, frame: Any) -> None:
+            if os.getpid() != main_pid:  # a forked helper (DHT, averager) inherited this handler: die as usual
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
             if self._stop_requested.is_set():
                 raise KeyboardInterrupt  # a second signal: stop now
             log.warning("Received signal %d: finishing the current step, then leaving the swarm", signum)

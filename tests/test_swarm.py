@@ -4,12 +4,13 @@ from __future__ import annotations
 import json
 import math
 import signal
+import subprocess
+import sys
 import time
 
-import lightning as L
 import pytest
 import torch
-from conftest import SMALL_GPT
+from conftest import GPT_SCRIPT, SMALL_GPT
 
 FAST = {  # short timeouts so that a test swarm reacts within seconds
     "SWARM_MATCHMAKING_TIME": "1.0",
@@ -27,45 +28,50 @@ def history(path) -> dict:
         return json.load(f)
 
 
-def plain_training(steps: int, args: list[str]) -> L.LightningModule:
-    """The same GPT, data and seed as examples/gpt.py, trained in this process without a swarm."""
-    from gpt import GPT, CharDataModule
+def plain_training(args: list[str], tmp_path) -> tuple[dict, dict]:
+    """examples/gpt.py with the same arguments, trained in one process without a swarm: (state dict, history)."""
+    out = tmp_path / "plain"
+    subprocess.run([sys.executable, GPT_SCRIPT, "--single", *args, "--save", f"{out}.ckpt", "--history", f"{out}.json"],
+                   check=True, timeout=300, capture_output=True, start_new_session=True)
+    return torch.load(f"{out}.ckpt", weights_only=False)["state_dict"], history(f"{out}.json")
 
-    values = dict(zip(args[::2], args[1::2]))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        L.seed_everything(0)
-        dm = CharDataModule(block_size=int(values["--block-size"]), batch_size=int(values["--batch-size"]), seed=0)
-        model = GPT(dm.vocab_size, int(values["--block-size"]), int(values["--d-model"]), int(values["--n-layer"]),
-                    int(values["--n-head"]))
-        trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                            limit_val_batches=0)
-        trainer.fit(model, dm)
-    finally:
-        torch.set_num_threads(threads)
-    return model
+
+def initial_gpt_state() -> dict:
+    """The untrained SMALL_GPT, initialised as examples/gpt.py does (seed 0)."""
+    from gpt import GPT, CharDataModule
+    import lightning as L
+
+    values = dict(zip(SMALL_GPT[::2], SMALL_GPT[1::2]))
+    L.seed_everything(0)
+    dm = CharDataModule(block_size=int(values["--block-size"]), batch_size=int(values["--batch-size"]))
+    return GPT(dm.vocab_size, int(values["--block-size"]), int(values["--d-model"]), int(values["--n-layer"]),
+               int(values["--n-head"])).state_dict()
 
 
 def test_exact_against_single_process(swarm, tmp_path):
-    """Compression off, one peer per stage, one trainer: parameters after k steps equal plain training's."""
-    steps = 6
+    """Compression off, one peer per stage, one trainer: parameters after k steps, and validation losses computed
+    through the swarm (during fit and in a later trainer.validate), equal plain training's."""
+    args = [*SMALL_GPT, "--max-steps", "6", "--val-every", "3", "--val-batches", "2"]
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_COMPRESSION": "none"}
     swarm.start("stage1", SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})
-    swarm.start("trainer", [*SMALL_GPT, "--max-steps", str(steps), "--save", str(tmp_path / "swarm.ckpt")],
+    swarm.start("trainer", [*args, "--save", str(tmp_path / "swarm.ckpt"), "--history", str(tmp_path / "swarm.json")],
                 env={**env, "SWARM_STAGE": "0"})
     assert swarm.wait("trainer", timeout=240) == 0, swarm.peers["trainer"].log()[-3000:]
 
     swarm_state = torch.load(tmp_path / "swarm.ckpt", weights_only=False)["state_dict"]
-    initial_state = {k: v.clone() for k, v in plain_training(0, SMALL_GPT).state_dict().items()}
-    plain_state = plain_training(steps, SMALL_GPT).state_dict()
+    plain_state, plain_history = plain_training(args, tmp_path)
+    initial_state = initial_gpt_state()
     assert swarm_state.keys() == plain_state.keys()
     worst = max((swarm_state[k] - plain_state[k]).abs().max().item() for k in plain_state)
-    print(f"exactness: max |swarm - plain| over all parameters after {steps} steps = {worst:.3g}")
+    print(f"exactness: max |swarm - plain| over all parameters after 6 steps = {worst:.3g}")
     assert worst <= 1e-6
     moved = max((swarm_state[k] - initial_state[k]).abs().max().item() for k in plain_state)
     assert moved > 1e-3, "training changed nothing: the comparison would prove nothing"
+
+    swarm_history = history(tmp_path / "swarm.json")
+    assert len(swarm_history["val_losses"]) == 3  # at steps 3 and 6, then trainer.validate after fit
+    assert swarm_history["val_losses"] == pytest.approx(plain_history["val_losses"], abs=1e-6)
+    assert swarm_history["losses"] == pytest.approx(plain_history["losses"], abs=1e-6)
 
 
 def test_four_peers_two_stages_loss_falls(swarm, tmp_path):
