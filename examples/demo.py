@@ -5,6 +5,7 @@
 Every peer runs examples/gpt.py, exactly as it would on its own machine; the first one starts the swarm and the
 others join through its address. Each serves one stage and trains on its own stream of batches.
 """
+
 import argparse
 import json
 import shutil
@@ -36,10 +37,15 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="swarm_demo_"))
     env = {
-        "SWARM_NUM_STAGES": str(args.stages), "SWARM_COMPRESSION": args.compression,
-        "SWARM_TARGET_BATCH_SIZE": "32", "SWARM_MATCHMAKING_TIME": "1.0", "SWARM_AVERAGING_TIMEOUT": "5.0",
+        "SWARM_NUM_STAGES": str(args.stages),
+        "SWARM_COMPRESSION": args.compression,
+        "SWARM_TARGET_BATCH_SIZE": "32",
+        "SWARM_MATCHMAKING_TIME": "1.0",
+        "SWARM_AVERAGING_TIMEOUT": "5.0",
         "SWARM_UPDATE_PERIOD": "2.0",
-        "HIVEMIND_LOGLEVEL": "ERROR", "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_descriptor", "PYTHONWARNINGS": "ignore",
+        "HIVEMIND_LOGLEVEL": "ERROR",
+        "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_descriptor",
+        "PYTHONWARNINGS": "ignore",
     }
     names = [f"peer{i}" for i in range(args.peers)]
     histories = {name: workdir / f"{name}.json" for name in names}
@@ -47,8 +53,15 @@ def main() -> None:
     start = time.time()
     with LocalSwarm([GPT], workdir, run_id="demo", env=env) as swarm:
         for i, name in enumerate(names):
-            peer_args = [*args.model.split(), "--max-steps", str(args.steps), "--data-seed", str(i),
-                         "--history", str(histories[name])]
+            peer_args = [
+                *args.model.split(),
+                "--max-steps",
+                str(args.steps),
+                "--data-seed",
+                str(i),
+                "--history",
+                str(histories[name]),
+            ]
             swarm.start(name, peer_args, env={"SWARM_STAGE": str(i % args.stages)})
             print(f"  {name} joined as {swarm.peers[name].addresses()[0]}")
         while any(peer.alive() for peer in swarm.peers.values()):

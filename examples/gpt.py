@@ -25,9 +25,25 @@ class StdlibCorpus:
     """Concatenated source of pure-Python stdlib modules (~580 KB); no download needed."""
 
     MODULES: tuple[str, ...] = (
-        "textwrap", "string", "difflib", "argparse", "calendar", "json.decoder",
-        "json.encoder", "configparser", "fractions", "heapq", "bisect", "shlex",
-        "csv", "pprint", "functools", "statistics", "random", "cmd", "queue",
+        "textwrap",
+        "string",
+        "difflib",
+        "argparse",
+        "calendar",
+        "json.decoder",
+        "json.encoder",
+        "configparser",
+        "fractions",
+        "heapq",
+        "bisect",
+        "shlex",
+        "csv",
+        "pprint",
+        "functools",
+        "statistics",
+        "random",
+        "cmd",
+        "queue",
     )
 
     def __init__(self) -> None:
@@ -207,9 +223,13 @@ class History(L.Callback):
         strategy = trainer.strategy
         router = getattr(strategy, "router", None)
         summary = dict(
-            steps=len(self.losses), samples=self.samples, seconds=time.time() - self.start, losses=self.losses,
+            steps=len(self.losses),
+            samples=self.samples,
+            seconds=time.time() - self.start,
+            losses=self.losses,
             val_losses=self.val_losses,
-            stage=getattr(strategy, "served_stage", None), failovers=router.stats.failovers if router else 0,
+            stage=getattr(strategy, "served_stage", None),
+            failovers=router.stats.failovers if router else 0,
             calls_per_peer=router.stats.chosen if router else {},
             failed_calls_per_peer=router.stats.failed if router else {},
         )
@@ -243,10 +263,17 @@ def main() -> None:
     model = GPT(dm.vocab_size, args.block_size, args.d_model, args.n_layer, args.n_head, lr=args.lr)
     history = History(args.history, args.save)
     trainer = L.Trainer(
-        strategy="auto" if args.single else "swarm", accelerator="auto", max_steps=args.max_steps,
-        callbacks=[history], logger=False, enable_checkpointing=False, enable_model_summary=False,
-        val_check_interval=args.val_every or None, limit_val_batches=args.val_batches if args.val_every else 0,
-        num_sanity_val_steps=0, enable_progress_bar=False,
+        strategy="auto" if args.single else "swarm",
+        accelerator="auto",
+        max_steps=args.max_steps,
+        callbacks=[history],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        val_check_interval=args.val_every or None,
+        limit_val_batches=args.val_batches if args.val_every else 0,
+        num_sanity_val_steps=0,
+        enable_progress_bar=False,
     )
     trainer.fit(model, dm)
     if args.val_every:

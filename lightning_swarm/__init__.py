@@ -2,6 +2,7 @@
 
 ``import lightning_swarm`` registers the strategy name ``"swarm"``, so ``Trainer(strategy="swarm")`` works.
 """
+
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_swarm.errors import StageBusyError, StageUnavailableError, SwarmRequestError

@@ -4,6 +4,7 @@ Activations going forward and their gradients coming back are quantized to 8 bit
 dynamic code, one fp32 scale per block of 4096 values, through hivemind's ``BLOCKWISE_8BIT`` codec): about a
 quarter of fp32 traffic. ``float16`` halves it; ``none`` sends tensors as they are (exact).
 """
+
 from __future__ import annotations
 
 from typing import Literal

@@ -3,6 +3,7 @@
 Each serving peer stores, under ``<run_id>_stage<k>`` with its peer id as subkey, a tuple
 ``(state, throughput, queue)``, refreshed every ``update_period`` seconds and expiring after ``2 * update_period``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,7 +39,7 @@ class PeerRecord:
         return (int(self.state), float(self.throughput), int(self.queue), int(self.training))
 
     @classmethod
-    def from_value(cls, peer_id: str, stage: Optional[int], value: object) -> Optional["PeerRecord"]:
+    def from_value(cls, peer_id: str, stage: Optional[int], value: object) -> Optional[PeerRecord]:
         """Parse a record, or None for one that is malformed (records come from other peers)."""
         try:
             state, throughput, queue, training = value

@@ -3,6 +3,7 @@
 Each peer runs in its own session (process group), so that stopping it also stops the DHT process and the p2pd
 daemon it started, even after ``kill -9`` of the peer itself.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,14 +58,20 @@ class LocalSwarm:
         log_path = self.workdir / f"{name}.log"
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
-                [sys.executable, *self.script, *args], env=peer_env, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                [sys.executable, *self.script, *args],
+                env=peer_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         peer = self.peers[name] = Peer(name, process, log_path, address_path)
         deadline = time.monotonic() + wait
         while not peer.addresses():
             if not peer.alive():
-                raise RuntimeError(f"peer {name} exited with {process.returncode} before joining:\n{peer.log()[-3000:]}")
+                raise RuntimeError(
+                    f"peer {name} exited with {process.returncode} before joining:\n{peer.log()[-3000:]}"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"peer {name} did not join within {wait:.0f}s:\n{peer.log()[-3000:]}")
             time.sleep(0.2)
@@ -101,7 +108,7 @@ class LocalSwarm:
         for name in self.peers:
             self.stop(name, grace)
 
-    def __enter__(self) -> "LocalSwarm":
+    def __enter__(self) -> LocalSwarm:
         return self
 
     def __exit__(self, *exc: object) -> None:

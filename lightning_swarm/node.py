@@ -3,6 +3,7 @@
 Every network and DHT call made through :class:`SwarmNode` carries a timeout, so a dead DHT process or an
 unreachable peer surfaces as an exception instead of a hang.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,7 +39,7 @@ class SwarmNode:
         self.dht: Optional[DHT] = None
         self.p2p: Optional[P2P] = None
 
-    def start(self, attempts: int = 3) -> "SwarmNode":
+    def start(self, attempts: int = 3) -> SwarmNode:
         """Start the DHT (retrying a failed bootstrap, which a busy initial peer can cause) and the RPC replica."""
         for attempt in range(1, attempts + 1):
             try:
@@ -114,4 +115,3 @@ class SwarmNode:
 
 async def _visible_maddrs(dht: DHT, node: Any) -> list:
     return await node.p2p.get_visible_maddrs()
-

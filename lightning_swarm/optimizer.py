@@ -4,6 +4,7 @@ One wraps each served stage and one wraps the trainer's local parameters (embedd
 gradients until the peers sharing it (the peers of that stage, or all trainers) have together processed
 ``target_batch_size`` samples, then those peers all-reduce their gradients and step.
 """
+
 from __future__ import annotations
 
 from functools import partial

@@ -3,6 +3,7 @@
 The pipeline is an ``nn.Sequential`` attribute of the LightningModule whose blocks each take one tensor and return
 one. Everything else (embeddings, head, loss) stays local to the process that runs ``training_step``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

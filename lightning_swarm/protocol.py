@@ -3,6 +3,7 @@
 
 Requests and replies above hivemind's unary payload limit travel as streams of chunks.
 """
+
 from __future__ import annotations
 
 from typing import AsyncIterator, Iterable, Sequence

@@ -11,6 +11,7 @@ This file is the table of contents. Each step of SWARM lives in its own module:
 - :mod:`~lightning_swarm.client.remote_pipeline`: the module that replaces the pipeline in ``training_step``;
 - :mod:`~lightning_swarm.compression`: 8-bit activations and gradients on the wire.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -82,7 +83,8 @@ class SwarmStrategy(Strategy):
         identity_path: file holding this peer's private key, for a stable peer id (created if missing).
         address_file: if set, this peer writes its multiaddrs there (one per line) once it is reachable.
         matchmaking_time: seconds peers spend forming an all-reduce group before a step. Default 5.
-        averaging_timeout: seconds after which an all-reduce gives up and the peer steps with its own gradients. Default 30.
+        averaging_timeout: seconds after which an all-reduce gives up and the peer steps with its own gradients.
+            Default 30.
         request_timeout: seconds to wait for a stage's reply before trying another peer of the stage. Default 60.
         max_retries: attempts on other peers before a microbatch's stage is reported unavailable. Default 5.
         ban_timeout: seconds a peer that failed a call is not chosen again (doubling on repeated failures). Default 15.
@@ -242,7 +244,7 @@ class SwarmStrategy(Strategy):
         if fitting and self.role != "serve":
             self._wrap_local_optimizer(trainer)
         if self.role == "drive":
-            self._announcer = Announcer(self.node, self.run_id, lambda: self._record(PeerState.SERVING), self.update_period)
+            self._announcer = self._make_announcer()
             self._announcer.start()
         if self.role != "serve":
             self._wait_for_stages()
@@ -288,8 +290,7 @@ class SwarmStrategy(Strategy):
     def fetch_stage_state(self, stage: int) -> dict[str, torch.Tensor]:
         """The current state dict of ``stage`` (stage-local keys), from this peer or a live peer of the stage."""
         if self.server is not None and self.served_stage == stage:
-            keys, tensors = self.server._state_snapshot()
-            return dict(zip(keys, tensors))
+            return self.server.state_dict()
         return self.router.fetch_state(stage)
 
     def teardown(self) -> None:
@@ -333,7 +334,12 @@ class SwarmStrategy(Strategy):
             self._start_server()
 
         self.router = StageRouter(
-            self.node, self.run_id, self.num_stages, self.request_timeout, self.max_retries, self.ban_timeout,
+            self.node,
+            self.run_id,
+            self.num_stages,
+            self.request_timeout,
+            self.max_retries,
+            self.ban_timeout,
             refresh_period=min(2.0, self.update_period),
         )
         self.router.local_server = self.server
@@ -380,49 +386,77 @@ class SwarmStrategy(Strategy):
             raise ValueError(f"SwarmStrategy supports one optimizer; configure_optimizers returned {len(optimizers)}")
         stage_optimizer = restrict_to(optimizers[0], self._stage_module.parameters())
         return swarm_optimizer(
-            self.node.dht, f"{self.run_id}_stage{self.served_stage}", stage_optimizer,
-            self._resolve_target_batch_size(trainer), self.matchmaking_time, self.averaging_timeout,
+            self.node.dht,
+            f"{self.run_id}_stage{self.served_stage}",
+            stage_optimizer,
+            self._resolve_target_batch_size(trainer),
+            self.matchmaking_time,
+            self.averaging_timeout,
         )
 
     def _start_server(self) -> None:
         stage = self.served_stage
         self.server = StageServer(
-            self.run_id, stage, self._stage_module, self.root_device,
+            self.run_id,
+            stage,
+            self._stage_module,
+            self.root_device,
             on_backward=self._stage_step if self._stage_optimizer is not None else None,
-            max_queue=self.max_queue, max_request_bytes=self.max_request_bytes,
+            max_queue=self.max_queue,
+            max_request_bytes=self.max_request_bytes,
         )
-        self._announcer = Announcer(self.node, self.run_id, lambda: self._record(PeerState.SERVING), self.update_period)
+        self._announcer = self._make_announcer()
         self._announcer.announce(self._record(PeerState.JOINING))
-        live = [p for p in discovery.fetch_stage(self.node, self.run_id, stage).values() if p.state == PeerState.SERVING]
+        live = [
+            p for p in discovery.fetch_stage(self.node, self.run_id, stage).values() if p.state == PeerState.SERVING
+        ]
         if live and self._stage_optimizer is not None:
             log.warning("Stage %d is served by %d peer(s): downloading its current state", stage, len(live))
             with self.server.lock:
                 self._stage_optimizer.load_state_from_peers()
         self.node.run(self.server.add_p2p_handlers(self.node.p2p, namespace=self.run_id))
         self._announcer.start()
-        log.warning("Serving stage %d of %d (blocks %d..%d)", stage, self.num_stages,
-                    self._spans[stage].start, self._spans[stage].end - 1)
+        log.warning(
+            "Serving stage %d of %d (blocks %d..%d)",
+            stage,
+            self.num_stages,
+            self._spans[stage].start,
+            self._spans[stage].end - 1,
+        )
 
     def _stage_step(self, batch_size: int) -> None:
         """Runs on the stage worker after each backward: accumulate, and step once the stage reached its target."""
         self._stage_optimizer.step(batch_size=batch_size)
         self._stage_optimizer.zero_grad()
 
+    def _make_announcer(self) -> Announcer:
+        return Announcer(self.node, self.run_id, lambda: self._record(PeerState.SERVING), self.update_period)
+
     def _record(self, state: PeerState) -> PeerRecord:
         info = self.server.info() if self.server is not None else {}
         return PeerRecord(
-            str(self.node.peer_id), self.served_stage, state, info.get("throughput", 0.0),
-            info.get("queued_samples", 0), self._training,
+            str(self.node.peer_id),
+            self.served_stage,
+            state,
+            info.get("throughput", 0.0),
+            info.get("queued_samples", 0),
+            self._training,
         )
 
     def _wrap_local_optimizer(self, trainer: Trainer) -> None:
         if not self.optimizers:
             return
         if len(self.optimizers) != 1:
-            raise ValueError(f"SwarmStrategy supports one optimizer; configure_optimizers returned {len(self.optimizers)}")
+            raise ValueError(
+                f"SwarmStrategy supports one optimizer; configure_optimizers returned {len(self.optimizers)}"
+            )
         local = swarm_optimizer(
-            self.node.dht, f"{self.run_id}_local", self.optimizers[0], self._resolve_target_batch_size(trainer),
-            self.matchmaking_time, self.averaging_timeout,
+            self.node.dht,
+            f"{self.run_id}_local",
+            self.optimizers[0],
+            self._resolve_target_batch_size(trainer),
+            self.matchmaking_time,
+            self.averaging_timeout,
         )
         local.load_state_from_peers()
         self.optimizers = [local]

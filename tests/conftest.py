@@ -1,4 +1,5 @@
 """Shared fixtures: peers are real processes on loopback, and no process may outlive the suite."""
+
 from __future__ import annotations
 
 import os

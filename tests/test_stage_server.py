@@ -6,6 +6,7 @@ through raw hivemind RPC (no router, no retries) so that every refusal is seen e
 Every refusal must be a ``SwarmRequestError`` naming the problem, so that a router neither bans the peer nor
 retries the request elsewhere.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,9 +30,14 @@ from lightning_swarm.server.stage_server import StageServer, stage_uid
 D_MODEL, BLOCK = 32, 32  # from SMALL_GPT
 MAX_REQUEST_BYTES = 1_000_000  # small cap, so that a streamed request above it costs ~1 MB, not 256 MiB
 SERVE_ENV = {
-    "SWARM_NUM_STAGES": "1", "SWARM_ROLE": "serve", "SWARM_STAGE": "0", "SWARM_COMPRESSION": "none",
+    "SWARM_NUM_STAGES": "1",
+    "SWARM_ROLE": "serve",
+    "SWARM_STAGE": "0",
+    "SWARM_COMPRESSION": "none",
     "SWARM_TARGET_BATCH_SIZE": "100000",  # no optimizer step can happen during the test
-    "SWARM_UPDATE_PERIOD": "1.0", "SWARM_MATCHMAKING_TIME": "1.0", "SWARM_AVERAGING_TIMEOUT": "4.0",
+    "SWARM_UPDATE_PERIOD": "1.0",
+    "SWARM_MATCHMAKING_TIME": "1.0",
+    "SWARM_AVERAGING_TIMEOUT": "4.0",
     "SWARM_MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES),
 }
 TIMEOUT = 20.0
@@ -56,15 +62,19 @@ class RawClient:
 
     def call(self, method: str, tensors: list, metadata=NONE_META, uid: str | None = None) -> list[torch.Tensor]:
         raw_metadata = metadata if isinstance(metadata, bytes) else protocol.encode_metadata(metadata)
-        request = runtime_pb2.ExpertRequest(uid=self.uid if uid is None else uid, tensors=tensors, metadata=raw_metadata)
+        request = runtime_pb2.ExpertRequest(
+            uid=self.uid if uid is None else uid, tensors=tensors, metadata=raw_metadata
+        )
         response = self.node.run(getattr(self.stub, f"rpc_{method}")(request, timeout=TIMEOUT), TIMEOUT + 5)
         return [compression.deserialize(t) for t in response.tensors]
 
     def call_stream(self, method: str, tensor: torch.Tensor, chunk_bytes: int) -> list[torch.Tensor]:
         """Send one tensor in chunks of ``chunk_bytes`` to ``rpc_<method>_stream``."""
         raw_metadata = protocol.encode_metadata(NONE_META)
-        requests = [runtime_pb2.ExpertRequest(uid=self.uid, tensors=[part], metadata=raw_metadata)
-                    for part in split_for_streaming(wire(tensor), chunk_bytes)]
+        requests = [
+            runtime_pb2.ExpertRequest(uid=self.uid, tensors=[part], metadata=raw_metadata)
+            for part in split_for_streaming(wire(tensor), chunk_bytes)
+        ]
         assert len(requests) > 1
 
         async def go() -> list[runtime_pb2.Tensor]:
@@ -79,8 +89,9 @@ class RawClient:
     def raw_unary(self, method: str, data: bytes) -> bytes:
         """Send bytes that are not a protobuf message to a unary handler."""
         name = f"{self.run_id}::StageServer.rpc_{method}"
-        return self.node.run(asyncio.wait_for(self.node.p2p._client.call_unary_handler(self.peer_id, name, data), TIMEOUT),
-                             TIMEOUT + 5)
+        return self.node.run(
+            asyncio.wait_for(self.node.p2p._client.call_unary_handler(self.peer_id, name, data), TIMEOUT), TIMEOUT + 5
+        )
 
     def raw_stream(self, method: str, data: bytes) -> bytes:
         """Open a stream handler, send ``data`` framed as one message, and read until the server closes it."""
@@ -126,7 +137,7 @@ def wait_until_serving(client: RawClient, peer, timeout: float = 90.0) -> dict:
             return client.info()
         except Exception as e:
             if time.monotonic() > deadline:
-                raise AssertionError(f"stage server never answered rpc_info: {e!r}\n{peer.log()[-3000:]}")
+                raise AssertionError(f"stage server never answered rpc_info: {e!r}\n{peer.log()[-3000:]}") from e
             time.sleep(0.5)
 
 
@@ -138,7 +149,7 @@ def refused(call, *fragments: str, remote: str = "SwarmRequestError") -> str:
     message = str(error.value)
     if remote == "SwarmRequestError":  # the router must see it as the caller's fault: no ban, no retry elsewhere
         assert isinstance(_remote_error(error.value), SwarmRequestError), message
-    print(f"  refused: {message[message.find(remote):][:160]}")
+    print(f"  refused: {message[message.find(remote) :][:160]}")
     return message
 
 
@@ -178,7 +189,9 @@ def test_bad_requests_are_refused_and_leave_the_stage_untouched(swarm):
         refused(lambda: client.call("forward", [wire(x)], uid="no-such-run.stage0"), "unknown stage")
 
         # metadata
-        refused(lambda: client.call("forward", [wire(x)], {"codec": "zstd", "train": True}), "unknown compression 'zstd'")
+        refused(
+            lambda: client.call("forward", [wire(x)], {"codec": "zstd", "train": True}), "unknown compression 'zstd'"
+        )
         refused(lambda: client.call("forward", [wire(x)], protocol.encode_metadata([1, 2])), "must be a msgpack dict")
         refused(lambda: client.call("forward", [wire(x)], b"\xc1"), "not valid msgpack")
 
@@ -193,8 +206,10 @@ def test_bad_requests_are_refused_and_leave_the_stage_untouched(swarm):
         refused(lambda: client.call("forward", [wire(x64)]), "expected a torch.float32 tensor, got torch.float64")
         refused(lambda: client.call("backward", [wire(x64), wire(x)]), "expected a torch.float32 tensor")
         refused(lambda: client.call("backward", [wire(x), wire(x64)]), "expected a torch.float32 tensor")
-        refused(lambda: client.call("forward", [wire(torch.ones(4, BLOCK, D_MODEL, dtype=torch.int64))]),
-                "expected a torch.float32 tensor, got torch.int64")
+        refused(
+            lambda: client.call("forward", [wire(torch.ones(4, BLOCK, D_MODEL, dtype=torch.int64))]),
+            "expected a torch.float32 tensor, got torch.int64",
+        )
 
         # wrong shape: the stage's own forward fails, reported as the request's fault
         wide = activation(4, BLOCK, D_MODEL + 1)
@@ -202,10 +217,14 @@ def test_bad_requests_are_refused_and_leave_the_stage_untouched(swarm):
         refused(lambda: client.call("backward", [wire(wide), wire(wide)]), "stage 0 backward failed")
         refused(lambda: client.call("forward", [wire(torch.randn(BLOCK * D_MODEL))]), "stage 0 forward failed")
         # backward whose gradient does not match the output (input valid)
-        refused(lambda: client.call("backward", [wire(x), wire(activation(4, 16, D_MODEL))]),
-                "gradient of shape [4, 16, 32] does not match the output [4, 32, 32]")
-        refused(lambda: client.call("backward", [wire(x), wire(activation(2, BLOCK, D_MODEL))]),
-                "gradient of shape [2, 32, 32] does not match the output [4, 32, 32]")
+        refused(
+            lambda: client.call("backward", [wire(x), wire(activation(4, 16, D_MODEL))]),
+            "gradient of shape [4, 16, 32] does not match the output [4, 32, 32]",
+        )
+        refused(
+            lambda: client.call("backward", [wire(x), wire(activation(2, BLOCK, D_MODEL))]),
+            "gradient of shape [2, 32, 32] does not match the output [4, 32, 32]",
+        )
 
         # NaN / Inf
         nan, inf = x.clone(), x.clone()
@@ -224,8 +243,9 @@ def test_bad_requests_are_refused_and_leave_the_stage_untouched(swarm):
         refused(lambda: client.call("forward", [odd]), "undecodable tensor")
 
         # oversized: a claimed shape of 10^11 elements with a 16-byte buffer is refused from its header alone
-        huge = runtime_pb2.Tensor(buffer=b"\0" * 16, size=[1_000_000, 100_000], dtype="float32",
-                                  compression=runtime_pb2.CompressionType.NONE)
+        huge = runtime_pb2.Tensor(
+            buffer=b"\0" * 16, size=[1_000_000, 100_000], dtype="float32", compression=runtime_pb2.CompressionType.NONE
+        )
         cap = f"exceeds the cap of {MAX_REQUEST_BYTES} bytes"
         refused(lambda: client.call("forward", [huge]), "tensor of shape [1000000, 100000]", cap)
         refused(lambda: client.call("backward", [wire(x), huge]), "tensor of shape [1000000, 100000]", cap)

@@ -1,4 +1,5 @@
 """End-to-end swarms of real peer processes on loopback, against plain single-process training."""
+
 from __future__ import annotations
 
 import json
@@ -31,21 +32,31 @@ def history(path) -> dict:
 def plain_training(args: list[str], tmp_path) -> tuple[dict, dict]:
     """examples/gpt.py with the same arguments, trained in one process without a swarm: (state dict, history)."""
     out = tmp_path / "plain"
-    subprocess.run([sys.executable, GPT_SCRIPT, "--single", *args, "--save", f"{out}.ckpt", "--history", f"{out}.json"],
-                   check=True, timeout=300, capture_output=True, start_new_session=True)
+    subprocess.run(
+        [sys.executable, GPT_SCRIPT, "--single", *args, "--save", f"{out}.ckpt", "--history", f"{out}.json"],
+        check=True,
+        timeout=300,
+        capture_output=True,
+        start_new_session=True,
+    )
     return torch.load(f"{out}.ckpt", weights_only=False)["state_dict"], history(f"{out}.json")
 
 
 def initial_gpt_state() -> dict:
     """The untrained SMALL_GPT, initialised as examples/gpt.py does (seed 0)."""
-    from gpt import GPT, CharDataModule
     import lightning as L
+    from gpt import GPT, CharDataModule
 
     values = dict(zip(SMALL_GPT[::2], SMALL_GPT[1::2]))
     L.seed_everything(0)
     dm = CharDataModule(block_size=int(values["--block-size"]), batch_size=int(values["--batch-size"]))
-    return GPT(dm.vocab_size, int(values["--block-size"]), int(values["--d-model"]), int(values["--n-layer"]),
-               int(values["--n-head"])).state_dict()
+    return GPT(
+        dm.vocab_size,
+        int(values["--block-size"]),
+        int(values["--d-model"]),
+        int(values["--n-layer"]),
+        int(values["--n-head"]),
+    ).state_dict()
 
 
 def test_exact_against_single_process(swarm, tmp_path):
@@ -54,8 +65,11 @@ def test_exact_against_single_process(swarm, tmp_path):
     args = [*SMALL_GPT, "--max-steps", "6", "--val-every", "3", "--val-batches", "2"]
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_COMPRESSION": "none"}
     swarm.start("stage1", SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})
-    swarm.start("trainer", [*args, "--save", str(tmp_path / "swarm.ckpt"), "--history", str(tmp_path / "swarm.json")],
-                env={**env, "SWARM_STAGE": "0"})
+    swarm.start(
+        "trainer",
+        [*args, "--save", str(tmp_path / "swarm.ckpt"), "--history", str(tmp_path / "swarm.json")],
+        env={**env, "SWARM_STAGE": "0"},
+    )
     assert swarm.wait("trainer", timeout=240) == 0, swarm.peers["trainer"].log()[-3000:]
 
     swarm_state = torch.load(tmp_path / "swarm.ckpt", weights_only=False)["state_dict"]
@@ -79,9 +93,21 @@ def test_four_peers_two_stages_loss_falls(swarm, tmp_path):
     steps = 40
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "16"}
     for i in range(4):
-        swarm.start(f"peer{i}", [*SMALL_GPT, "--max-steps", str(steps), "--data-seed", str(i), "--lr", "1e-2",
-                                 "--history", str(tmp_path / f"peer{i}.json")],
-                    env={**env, "SWARM_STAGE": str(i % 2)})
+        swarm.start(
+            f"peer{i}",
+            [
+                *SMALL_GPT,
+                "--max-steps",
+                str(steps),
+                "--data-seed",
+                str(i),
+                "--lr",
+                "1e-2",
+                "--history",
+                str(tmp_path / f"peer{i}.json"),
+            ],
+            env={**env, "SWARM_STAGE": str(i % 2)},
+        )
     for i in range(4):
         assert swarm.wait(f"peer{i}", timeout=400) == 0, swarm.peers[f"peer{i}"].log()[-3000:]
     from gpt import StdlibCorpus
@@ -102,8 +128,9 @@ def test_failover_after_kill_9(swarm, tmp_path):
     for name in ("stage1_a", "stage1_b"):
         swarm.start(name, SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})
     record = tmp_path / "trainer.json"
-    swarm.start("trainer", [*SMALL_GPT, "--max-steps", str(steps), "--history", str(record)],
-                env={**env, "SWARM_STAGE": "0"})
+    swarm.start(
+        "trainer", [*SMALL_GPT, "--max-steps", str(steps), "--history", str(record)], env={**env, "SWARM_STAGE": "0"}
+    )
     victim = swarm.peers["stage1_b"].addresses()[0].rsplit("/", 1)[-1]
 
     deadline = time.monotonic() + 120

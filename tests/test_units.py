@@ -1,4 +1,5 @@
 """Single-process checks: registration, configuration, the codecs and partitioning."""
+
 from __future__ import annotations
 
 import lightning as L

@@ -5,6 +5,7 @@ same way, so the user's ``training_step`` and loss code run unchanged. The input
 caller, which lets backward go to the peer that ran the forward or, if that one died, to any other peer of the
 stage (the server recomputes the stage's forward from that input).
 """
+
 from __future__ import annotations
 
 from typing import Optional

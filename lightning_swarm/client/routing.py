@@ -6,6 +6,7 @@ from this process's own calls (seeded by the peer's announced throughput). The e
 A failed or timed-out call bans the peer for a while and the work goes to another peer of the same stage; after
 ``max_retries`` failed attempts the stage is reported as unavailable.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 from hivemind.p2p import P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout
-import torch
 
 from lightning_swarm import compression, discovery, protocol
 from lightning_swarm.discovery import PeerRecord, PeerState

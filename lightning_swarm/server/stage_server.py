@@ -6,6 +6,7 @@ input it is sent (so any peer of the stage can serve it), hands the parameter gr
 (which accumulates them towards the stage's target batch size) and returns the gradient of the input.
 A request that fails validation or computation leaves the stage's parameters and accumulated gradients untouched.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -117,10 +118,10 @@ class StageServer(ServicerBase):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Stream the stage's current state dict (uncompressed), e.g. to gather a complete checkpoint."""
         self._check_uid(request.uid)
-        keys, tensors = await asyncio.get_running_loop().run_in_executor(None, self._state_snapshot)
+        state = await asyncio.get_running_loop().run_in_executor(None, self.state_dict)
         response = runtime_pb2.ExpertResponse(
-            tensors=[compression.serialize(t, "none") for t in tensors],
-            metadata=protocol.encode_metadata({"keys": keys}),
+            tensors=[compression.serialize(t, "none") for t in state.values()],
+            metadata=protocol.encode_metadata({"keys": list(state)}),
         )
         for part in protocol.stream_response(response):
             yield part
@@ -154,7 +155,9 @@ class StageServer(ServicerBase):
     def _decode(self, message: runtime_pb2.Tensor) -> torch.Tensor:
         numel = math.prod(message.size)
         if numel * torch.finfo(self.dtype).bits // 8 > self.max_request_bytes:
-            raise SwarmRequestError(f"tensor of shape {list(message.size)} exceeds the cap of {self.max_request_bytes} bytes")
+            raise SwarmRequestError(
+                f"tensor of shape {list(message.size)} exceeds the cap of {self.max_request_bytes} bytes"
+            )
         try:
             tensor = compression.deserialize(message)
         except Exception as e:
@@ -219,10 +222,10 @@ class StageServer(ServicerBase):
             self.on_backward(int(inputs.shape[0]))
         return grads[0].cpu()
 
-    def _state_snapshot(self) -> tuple[list[str], list[torch.Tensor]]:
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """A copy of the stage's current state (stage-local keys), taken between two requests."""
         with self.lock:
-            state = self.module.state_dict()
-            return list(state), [t.detach().cpu().clone() for t in state.values()]
+            return {k: t.detach().cpu().clone() for k, t in self.module.state_dict().items()}
 
     def shutdown(self) -> None:
         """Stop the worker; requests still queued are answered with an error."""
