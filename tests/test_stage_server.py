@@ -9,23 +9,21 @@ retries the request elsewhere.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 
 import pytest
 import torch
 from conftest import SMALL_GPT
-from hivemind.p2p import P2P, P2PHandlerError, PeerID
+from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
-from hivemind.utils.asyncio import aiter_with_timeout, iter_as_aiter
-from hivemind.utils.streaming import split_for_streaming
+from raw_client import RawClient, bytes_of, wait_until_serving, wire
 
-from lightning_swarm import compression, protocol
+from lightning_swarm import protocol
 from lightning_swarm.client.routing import _remote_error
 from lightning_swarm.errors import SwarmRequestError
 from lightning_swarm.node import SwarmNode
-from lightning_swarm.server.stage_server import StageServer, stage_uid
+from lightning_swarm.server.stage_server import stage_uid
 
 D_MODEL, BLOCK = 32, 32  # from SMALL_GPT
 MAX_REQUEST_BYTES = 1_000_000  # small cap, so that a streamed request above it costs ~1 MB, not 256 MiB
@@ -40,105 +38,10 @@ SERVE_ENV = {
     "SWARM_AVERAGING_TIMEOUT": "4.0",
     "SWARM_MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES),
 }
-TIMEOUT = 20.0
-NONE_META = {"codec": "none", "train": True}
 
 
 def activation(*shape: int, dtype=torch.float32) -> torch.Tensor:
     return torch.randn(*(shape or (4, BLOCK, D_MODEL)), dtype=dtype)
-
-
-def wire(tensor: torch.Tensor) -> runtime_pb2.Tensor:
-    return compression.serialize(tensor, "none")
-
-
-class RawClient:
-    """Calls one stage server's handlers directly, each call bounded by a timeout."""
-
-    def __init__(self, node: SwarmNode, peer_id: PeerID, run_id: str) -> None:
-        self.node, self.peer_id, self.run_id = node, peer_id, run_id
-        self.uid = stage_uid(run_id, 0)
-        self.stub = StageServer.get_stub(node.p2p, peer_id, namespace=run_id)
-
-    def call(self, method: str, tensors: list, metadata=NONE_META, uid: str | None = None) -> list[torch.Tensor]:
-        raw_metadata = metadata if isinstance(metadata, bytes) else protocol.encode_metadata(metadata)
-        request = runtime_pb2.ExpertRequest(
-            uid=self.uid if uid is None else uid, tensors=tensors, metadata=raw_metadata
-        )
-        response = self.node.run(getattr(self.stub, f"rpc_{method}")(request, timeout=TIMEOUT), TIMEOUT + 5)
-        return [compression.deserialize(t) for t in response.tensors]
-
-    def call_stream(self, method: str, tensor: torch.Tensor, chunk_bytes: int) -> list[torch.Tensor]:
-        """Send one tensor in chunks of ``chunk_bytes`` to ``rpc_<method>_stream``."""
-        raw_metadata = protocol.encode_metadata(NONE_META)
-        requests = [
-            runtime_pb2.ExpertRequest(uid=self.uid, tensors=[part], metadata=raw_metadata)
-            for part in split_for_streaming(wire(tensor), chunk_bytes)
-        ]
-        assert len(requests) > 1
-
-        async def go() -> list[runtime_pb2.Tensor]:
-            parts = []
-            stream = await getattr(self.stub, f"rpc_{method}_stream")(iter_as_aiter(requests))
-            async for response in aiter_with_timeout(stream, TIMEOUT):
-                parts.extend(response.tensors)
-            return protocol.combine(parts)
-
-        return [compression.deserialize(t) for t in self.node.run(go(), TIMEOUT + 5)]
-
-    def raw_unary(self, method: str, data: bytes) -> bytes:
-        """Send bytes that are not a protobuf message to a unary handler."""
-        name = f"{self.run_id}::StageServer.rpc_{method}"
-        return self.node.run(
-            asyncio.wait_for(self.node.p2p._client.call_unary_handler(self.peer_id, name, data), TIMEOUT), TIMEOUT + 5
-        )
-
-    def raw_stream(self, method: str, data: bytes) -> bytes:
-        """Open a stream handler, send ``data`` framed as one message, and read until the server closes it."""
-        name = f"{self.run_id}::StageServer.rpc_{method}"
-
-        async def go() -> bytes:
-            _, reader, writer = await self.node.p2p.call_binary_stream_handler(self.peer_id, name)
-            try:
-                writer.write(P2P.MESSAGE_MARKER)
-                await P2P.send_raw_data(data, writer)
-                return await asyncio.wait_for(reader.read(), TIMEOUT)
-            finally:
-                writer.close()
-
-        return self.node.run(go(), TIMEOUT + 5)
-
-    def info(self, uid: str | None = None) -> dict:
-        request = runtime_pb2.ExpertUID(uid=self.uid if uid is None else uid)
-        response = self.node.run(self.stub.rpc_info(request, timeout=TIMEOUT), TIMEOUT + 5)
-        return protocol.decode_metadata(response.serialized_info)
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """The stage's state dict, streamed by rpc_state (as StageRouter.fetch_state reads it)."""
-        request = runtime_pb2.ExpertRequest(uid=self.uid)
-
-        async def go():
-            parts, metadata = [], b""
-            async for response in aiter_with_timeout(await self.stub.rpc_state(request), TIMEOUT):
-                parts.extend(response.tensors)
-                metadata = metadata or response.metadata
-            return protocol.combine(parts), protocol.decode_metadata(metadata)
-
-        tensors, metadata = self.node.run(go(), TIMEOUT + 5)
-        return {k: compression.deserialize(t) for k, t in zip(metadata["keys"], tensors)}
-
-
-def wait_until_serving(client: RawClient, peer, timeout: float = 90.0) -> dict:
-    """The address file appears before the stage handlers are registered: poll rpc_info until it answers."""
-    deadline = time.monotonic() + timeout
-    while True:
-        assert peer.alive(), peer.log()[-3000:]
-        try:
-            return client.info()
-        except Exception as e:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"stage server never answered rpc_info: {e!r}\n{peer.log()[-3000:]}") from e
-            time.sleep(0.5)
 
 
 def refused(call, *fragments: str, remote: str = "SwarmRequestError") -> str:
@@ -153,17 +56,13 @@ def refused(call, *fragments: str, remote: str = "SwarmRequestError") -> str:
     return message
 
 
-def bytes_of(state: dict[str, torch.Tensor]) -> dict[str, tuple]:
-    return {k: (v.dtype, tuple(v.shape), v.contiguous().numpy().tobytes()) for k, v in state.items()}
-
-
 def test_bad_requests_are_refused_and_leave_the_stage_untouched(swarm):
     start = time.monotonic()
     peer = swarm.start("server", SMALL_GPT, env=SERVE_ENV)
     address = peer.addresses()[0]
     node = SwarmNode(initial_peers=peer.addresses()).start()
     try:
-        client = RawClient(node, PeerID.from_base58(address.rsplit("/", 1)[-1]), swarm.run_id)
+        client = RawClient(node, address, swarm.run_id)
         info = wait_until_serving(client, peer)
         assert info["stage"] == 0 and info["backward_samples"] == 0, info
         state_before = bytes_of(client.state())
@@ -289,7 +188,7 @@ def test_empty_tensor_with_a_huge_batch_dimension_is_refused(swarm):
     peer = swarm.start("server", SMALL_GPT, env=SERVE_ENV)
     node = SwarmNode(initial_peers=peer.addresses()).start()
     try:
-        client = RawClient(node, PeerID.from_base58(peer.addresses()[0].rsplit("/", 1)[-1]), swarm.run_id)
+        client = RawClient(node, peer.addresses()[0], swarm.run_id)
         wait_until_serving(client, peer)
         empty = wire(torch.empty(10**9, 0, D_MODEL))
         assert len(empty.buffer) == 0

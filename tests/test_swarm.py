@@ -12,6 +12,10 @@ import time
 import pytest
 import torch
 from conftest import GPT_SCRIPT, SMALL_GPT
+from raw_client import RawClient, bytes_of, wait_until_serving, wire
+
+from lightning_swarm import protocol
+from lightning_swarm.node import SwarmNode
 
 FAST = {  # short timeouts so that a test swarm reacts within seconds
     "SWARM_MATCHMAKING_TIME": "1.0",
@@ -147,3 +151,43 @@ def test_failover_after_kill_9(swarm, tmp_path):
     print(f"failover: {final['failovers']} failovers, {failed} failed calls to the dead peer")
     assert final["failovers"] == failed  # every failed call was retried elsewhere and succeeded there
     assert failed <= 2  # the calls in flight at the kill at most; then the peer is banned and forgotten
+
+
+def test_late_joiner_downloads_the_stage_and_a_drive_only_trainer(swarm, tmp_path):
+    """Serve-only peers for both stages, a drive-only trainer, then a second stage-1 peer joining late: it
+    downloads the stage's current (trained) parameters before serving, and computes what its elder computes,
+    also on activations above the unary message limit (streamed)."""
+    from gpt import Block
+
+    env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_COMPRESSION": "none", "SWARM_TARGET_BATCH_SIZE": "8"}
+    swarm.start("stage0", SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "0"})
+    swarm.start("stage1_a", SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})
+    record = tmp_path / "trainer.json"
+    swarm.start(
+        "trainer", [*SMALL_GPT, "--max-steps", "5", "--history", str(record)], env={**env, "SWARM_ROLE": "drive"}
+    )
+    assert swarm.wait("trainer", timeout=240) == 0, swarm.peers["trainer"].log()[-3000:]
+    assert history(record)["stage"] is None and history(record)["steps"] == 5
+
+    late = swarm.start("stage1_b", SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})
+    node = SwarmNode(initial_peers=late.addresses()).start()
+    try:
+        elder = RawClient(node, swarm.peers["stage1_a"].addresses()[0], swarm.run_id, stage=1)
+        newcomer = RawClient(node, late.addresses()[0], swarm.run_id, stage=1)
+        wait_until_serving(newcomer, late)
+        trained, downloaded = elder.state(), newcomer.state()
+        assert bytes_of(downloaded) == bytes_of(trained)
+        initial = {"0." + k.removeprefix("blocks.1."): v for k, v in initial_gpt_state().items() if "blocks.1." in k}
+        assert max((trained[k] - initial[k]).abs().max().item() for k in initial) > 1e-3, "stage 1 never trained"
+
+        values = dict(zip(SMALL_GPT[::2], SMALL_GPT[1::2]))
+        block = Block(int(values["--d-model"]), int(values["--n-head"]))
+        block.load_state_dict({k.removeprefix("0."): v for k, v in downloaded.items()})
+        x = torch.randn(800, int(values["--block-size"]), int(values["--d-model"]))  # 3.3 MB: streamed
+        assert not protocol.needs_stream([wire(x[:8])]) and protocol.needs_stream([wire(x)])
+        (y,) = newcomer.call_like_a_router("forward", [wire(x)])
+        with torch.no_grad():
+            expected = block(x)
+        assert torch.allclose(y, expected, atol=1e-5)
+    finally:
+        node.shutdown()
