@@ -9,6 +9,7 @@ others join through its address. Each serves one stage and trains on its own str
 import argparse
 import json
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -34,6 +35,7 @@ def main() -> None:
     parser.add_argument("--compression", default="8bit", choices=["8bit", "float16", "none"])
     parser.add_argument("--model", default="--d-model 64 --n-layer 4 --n-head 4 --block-size 64 --batch-size 16")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # leave through LocalSwarm's exit: it stops every peer
 
     workdir = Path(tempfile.mkdtemp(prefix="swarm_demo_"))
     env = {

@@ -75,7 +75,8 @@ def swarm_optimizer(
         delay_state_averaging=False,
         delay_optimizer_step=False,
         delay_grad_averaging=False,
-        averager_opts=dict(request_timeout=request_timeout),  # hivemind 1.1.12 passes these to the state averager only
+        # hivemind 1.1.12 passes averager_opts to the state averager only: the gradient averager's go here
+        averager_opts=dict(request_timeout=request_timeout),
         grad_averager_factory=partial(GradientAverager, request_timeout=request_timeout),
         tracker_opts=dict(min_refresh_period=0.2, max_refresh_period=2.0, metadata_expiration=4 * averaging_timeout),
         shutdown_timeout=2,

@@ -368,7 +368,7 @@ class SwarmStrategy(Strategy):
             return self.stage
         counts = [len(peers) for peers in discovery.fetch_swarm(self.node, self.run_id, self.num_stages)]
         fewest = min(counts)
-        return random.choice([k for k, count in enumerate(counts) if count == fewest])
+        return random.Random().choice([k for k, count in enumerate(counts) if count == fewest])  # OS-seeded
 
     def _build_stage_optimizer(self, trainer: Trainer) -> Any:
         """The user's optimizer (class and per-group hyper-parameters) over this stage's parameters.

@@ -27,7 +27,9 @@ SMALL_GPT = ["--d-model", "32", "--n-layer", "2", "--n-head", "2", "--block-size
 
 
 def p2pd_processes() -> set[int]:
-    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "p2pd"}
+    """Running p2pd daemons (zombies are dead already, only not yet reaped by init)."""
+    found = psutil.process_iter(["name", "status"])
+    return {p.pid for p in found if p.info["name"] == "p2pd" and p.info["status"] != psutil.STATUS_ZOMBIE}
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -79,6 +79,7 @@ class StageRouter:
         self._peers: list[dict[str, PeerLoad]] = [{} for _ in range(num_stages)]
         self._refreshed_at = [0.0] * num_stages
         self._lock = threading.Lock()
+        self._rng = random.Random()  # seeded by the OS: trainers seeded alike must not break ties alike
 
     # ---- peer choice ------------------------------------------------------------------------------------------------
 
@@ -108,7 +109,7 @@ class StageRouter:
         now = time.monotonic()
         with self._lock:
             candidates = [
-                (load.expected_free_at(now, batch), random.random(), peer_id)
+                (load.expected_free_at(now, batch), self._rng.random(), peer_id)
                 for peer_id, load in self._peers[stage].items()
                 if peer_id not in exclude and load.banned_until <= now and load.record.state == PeerState.SERVING
             ]
