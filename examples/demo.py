@@ -89,6 +89,8 @@ def main() -> None:
     print(f"  throughput           {samples / max(train_seconds, 1e-9):.1f} samples/s (all trainers together)")
     print(f"  loss                 {runs[0]['losses'][0]:.3f} at the start -> {sum(ends) / len(ends):.3f} at the end")
     print(f"  failovers            {sum(r.get('failovers', 0) for r in runs)}")
+    sent = sum(r.get("bytes_sent", 0) for r in runs)
+    print(f"  sent between stages  {sent / max(samples, 1) / 1024:.1f} KiB per sample (tensor payloads)")
     shutil.rmtree(workdir, ignore_errors=True)
     sys.exit(1 if failed else 0)
 

@@ -232,6 +232,7 @@ class History(L.Callback):
             failovers=router.stats.failovers if router else 0,
             calls_per_peer=router.stats.chosen if router else {},
             failed_calls_per_peer=router.stats.failed if router else {},
+            bytes_sent=router.stats.bytes_sent if router else 0,
         )
         with open(self.path + ".tmp", "w") as f:
             json.dump(summary, f)

@@ -115,10 +115,6 @@ class StageRouter:
             ]
         return min(candidates)[2] if candidates else None
 
-    def peers(self, stage: int) -> list[str]:
-        with self._lock:
-            return list(self._peers[stage])
-
     # ---- calls ------------------------------------------------------------------------------------------------------
 
     def call(
