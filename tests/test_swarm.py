@@ -127,7 +127,7 @@ def test_four_peers_two_stages_loss_falls(swarm, tmp_path):
 
 def test_failover_after_kill_9(swarm, tmp_path):
     """kill -9 one of two peers of a stage mid-training: every step completes and the dead peer is dropped."""
-    steps = 40
+    steps = 30
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "8"}
     for name in ("stage1_a", "stage1_b"):
         swarm.start(name, SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})
@@ -137,15 +137,11 @@ def test_failover_after_kill_9(swarm, tmp_path):
     )
     victim = swarm.peers["stage1_b"].addresses()[0].rsplit("/", 1)[-1]
 
-    def victim_is_serving() -> bool:  # it joins after downloading stage 1's state from its elder
-        return record.exists() and history(record)["calls_per_peer"].get(victim, 0) > 0
-
     deadline = time.monotonic() + 120
-    while not victim_is_serving():
-        assert time.monotonic() < deadline, "the victim never served work"
-        assert swarm.peers["trainer"].alive(), "training ended before the victim served work"
+    while not (record.exists() and history(record)["steps"] >= 10):
+        assert time.monotonic() < deadline and swarm.peers["trainer"].alive()
         time.sleep(0.2)
-    assert history(record)["steps"] < steps - 10, "too late to kill the victim mid-training"
+    assert history(record)["calls_per_peer"].get(victim, 0) > 0, "the victim served no work before it was killed"
     swarm.signal("stage1_b", signal.SIGKILL)
 
     assert swarm.wait("trainer", timeout=300) == 0, swarm.peers["trainer"].log()[-3000:]

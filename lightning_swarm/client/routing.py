@@ -2,8 +2,7 @@
 
 For each peer of a stage the router estimates when it will be free: the samples queued there (from the peer's
 DHT record) plus the samples this process has in flight there, divided by the peer's throughput as measured
-from this process's own calls (a peer not measured yet counts as fast as the fastest, so that newcomers get
-tried). The earliest wins; ties go at random.
+from this process's own calls (seeded by the peer's announced throughput). The earliest wins; ties go at random.
 A failed or timed-out call bans the peer for a while and the work goes to another peer of the same stage; after
 ``max_retries`` failed attempts the stage is reported as unavailable.
 """
@@ -31,7 +30,7 @@ from lightning_swarm.server.stage_server import StageServer, stage_uid
 
 log = logging.getLogger(__name__)
 
-DEFAULT_THROUGHPUT = 1.0  # samples/s assumed while no peer of a stage has been measured: all start equal
+DEFAULT_THROUGHPUT = 1.0  # samples/s assumed for a peer that announced nothing yet: any measurement beats it
 
 
 @dataclass
@@ -39,15 +38,13 @@ class PeerLoad:
     """What this process knows about one peer's load."""
 
     record: PeerRecord
-    throughput: Optional[float] = None  # samples/s measured from this process's calls; None until the first
+    throughput: float
     in_flight: int = 0
     banned_until: float = 0.0
     failures: int = 0
 
-    def expected_free_at(self, now: float, batch: int, unmeasured: float) -> float:
-        """When this peer would finish ``batch`` more samples; ``unmeasured`` stands in for an unknown throughput."""
-        throughput = self.throughput if self.throughput is not None else unmeasured
-        return now + (self.record.queue + self.in_flight + batch) / max(throughput, 1e-9)
+    def expected_free_at(self, now: float, batch: int) -> float:
+        return now + (self.record.queue + self.in_flight + batch) / max(self.throughput, 1e-9)
 
 
 @dataclass
@@ -103,7 +100,7 @@ class StageRouter:
                 if peer_id in known:
                     known[peer_id].record = record
                 else:
-                    known[peer_id] = PeerLoad(record)
+                    known[peer_id] = PeerLoad(record, record.throughput or DEFAULT_THROUGHPUT)
             self._refreshed_at[stage] = time.monotonic()
 
     def choose(self, stage: int, batch: int, exclude: frozenset = frozenset()) -> Optional[str]:
@@ -111,13 +108,9 @@ class StageRouter:
         self.refresh(stage)
         now = time.monotonic()
         with self._lock:
-            loads = self._peers[stage]
-            # a peer not measured yet is assumed as fast as the fastest known one, so that it gets tried (and measured)
-            measured = [load.throughput for load in loads.values() if load.throughput is not None]
-            unmeasured = max(measured, default=DEFAULT_THROUGHPUT)
             candidates = [
-                (load.expected_free_at(now, batch, unmeasured), self._rng.random(), peer_id)
-                for peer_id, load in loads.items()
+                (load.expected_free_at(now, batch), self._rng.random(), peer_id)
+                for peer_id, load in self._peers[stage].items()
                 if peer_id not in exclude and load.banned_until <= now and load.record.state == PeerState.SERVING
             ]
         return min(candidates)[2] if candidates else None
@@ -191,8 +184,7 @@ class StageRouter:
             self.stats.bytes_received += protocol.payload_bytes(reply)
             if load is not None:
                 measured = batch / max(elapsed, 1e-6)
-                previous = load.throughput if load.throughput is not None else measured
-                load.throughput = previous + self.ema_alpha * (measured - previous)
+                load.throughput += self.ema_alpha * (measured - load.throughput)
                 load.failures = 0
         return reply
 
