@@ -131,6 +131,10 @@ def test_failover_after_kill_9(swarm, tmp_path):
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "8"}
     for name in ("stage1_a", "stage1_b"):
         swarm.start(name, SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})
+    deadline = time.monotonic() + 120
+    while "Serving stage 1" not in swarm.peers["stage1_b"].log():  # it first downloads the stage from stage1_a
+        assert time.monotonic() < deadline and swarm.peers["stage1_b"].alive(), swarm.peers["stage1_b"].log()
+        time.sleep(0.2)
     record = tmp_path / "trainer.json"
     swarm.start(
         "trainer", [*SMALL_GPT, "--max-steps", str(steps), "--history", str(record)], env={**env, "SWARM_STAGE": "0"}
