@@ -52,7 +52,6 @@ class RouterStats:
     calls: int = 0
     failovers: int = 0
     bytes_sent: int = 0
-    bytes_received: int = 0
     chosen: dict = field(default_factory=dict)  # peer id -> number of calls sent there
     failed: dict = field(default_factory=dict)  # peer id -> number of those calls that failed
 
@@ -181,7 +180,6 @@ class StageRouter:
                     load.in_flight -= batch
         elapsed = time.perf_counter() - start
         with self._lock:
-            self.stats.bytes_received += protocol.payload_bytes(reply)
             if load is not None:
                 measured = batch / max(elapsed, 1e-6)
                 load.throughput += self.ema_alpha * (measured - load.throughput)
