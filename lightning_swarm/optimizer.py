@@ -7,13 +7,16 @@ gradients until the peers sharing it (the peers of that stage, or all trainers) 
 
 from __future__ import annotations
 
+from collections import Counter
 from functools import partial
-from typing import Iterable
+from typing import Any, Iterable, Optional
 
 import hivemind
 import torch
 from hivemind.dht import DHT
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
+from hivemind.utils.performance_ema import PerformanceEMA
 
 
 def restrict_to(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -53,6 +56,98 @@ def create_state(optimizer: torch.optim.Optimizer) -> None:
             state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0
 
 
+class _NoRateEstimate(PerformanceEMA):
+    """A throughput estimate that never leaves zero."""
+
+    def update(self, task_size: float, interval: Optional[float] = None) -> float:
+        return self.samples_per_second
+
+
+class CountingProgressTracker(ProgressTracker):
+    """hivemind's progress tracker, made exact for peers that receive work in bursts.
+
+    hivemind extrapolates each peer's samples from its recent rate and steps once the extrapolation reaches the
+    target; and it counts every peer with a record as a member of the next all-reduce. A stage server gets work
+    whenever a router picks it, so a peer would step on its own microbatch before the others' samples exist, and
+    wait for an all-reduce partner (up to the averaging timeout) that has nothing to contribute and never comes.
+    Here every peer reports a rate of zero, so the swarm steps on samples actually processed; and the peers of
+    an all-reduce are this one and those with samples in the current epoch. Peers left out catch up by downloading
+    the state (``SwarmOptimizer.follow_swarm``).
+    """
+
+    def __init__(self, *args: Any, start: bool, **kwargs: Any) -> None:
+        super().__init__(*args, start=False, **kwargs)
+        self.performance_ema = _NoRateEstimate()
+        if start:
+            self.start()
+
+    def _parse_swarm_progress_data(self, metadata: Any) -> GlobalTrainingProgress:
+        progress = super()._parse_swarm_progress_data(metadata)
+        me = self.dht.peer_id.to_bytes()
+        entries = [LocalTrainingProgress.parse_obj(e.value) for e in (metadata or {}).values() if e.value is not None]
+        contributors = [e for e in entries if e.epoch == progress.epoch and e.samples_accumulated and e.peer_id != me]
+        progress.num_peers = 1 + len(contributors)
+        return progress
+
+
+class SwarmOptimizer(hivemind.Optimizer):
+    """``hivemind.Optimizer`` that counts samples exactly (see ``CountingProgressTracker``), can follow the swarm
+    while it has no work, and counts its steps by the size of the all-reduce group they used (1: alone)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group_sizes: Counter[int] = Counter()
+        self._group_size = 1
+
+    def _update_global_epoch(self, grad_scaler: Any) -> None:
+        self._group_size = 1
+        super()._update_global_epoch(grad_scaler)
+        self.group_sizes[self._group_size] += 1
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        if maybe_step_control is not None and maybe_step_control.done() and not maybe_step_control.exception():
+            self._group_size = len(maybe_step_control.result())
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
+        return CountingProgressTracker(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
+
+    def _should_load_state_from_peers(self) -> bool:
+        # hivemind lets a peer one epoch behind step with its own gradients; here the others' round is over by the
+        # time their new epoch is visible, so such a step would fork this peer's parameters from theirs
+        return self.local_epoch < self.tracker.global_epoch
+
+    def progress(self) -> dict:
+        """This peer's epoch and its steps by all-reduce group size (keys are strings, for msgpack)."""
+        return dict(epoch=self.local_epoch, steps_by_group_size={str(k): v for k, v in self.group_sizes.items()})
+
+    def follow_swarm(self) -> None:
+        """Keep an idle peer in step with the others (call it between two ``step`` calls).
+
+        hivemind acts only inside ``step()``, which a stage server calls after a backward. A peer the routers left
+        idle would keep serving parameters several steps old, or miss the all-reduce its accumulated samples were
+        counted in (its partners waiting for it until they time out). So: download the current state once the
+        others have stepped without this peer, or join the epoch transition they are ready for if this peer has
+        gradients to contribute.
+        """
+        if self.local_epoch < self.tracker.global_epoch:
+            self.load_state_from_peers()
+        elif self.grad_averager.local_samples_accumulated > 0 and self.tracker.ready_to_update_epoch:
+            # what step() does once ready, without new samples (a stale pre-scheduled round would make hivemind
+            # skip the gradient all-reduce and step on whatever .grad holds)
+            self._maybe_schedule_gradient_averaging()
+            self._maybe_schedule_state_averaging()
+            self._update_global_epoch(grad_scaler=None)
+
+
 def swarm_optimizer(
     dht: DHT,
     prefix: str,
@@ -60,11 +155,11 @@ def swarm_optimizer(
     target_batch_size: int,
     matchmaking_time: float,
     averaging_timeout: float,
-) -> hivemind.Optimizer:
+) -> SwarmOptimizer:
     """Wrap ``optimizer`` so that it steps once per ``target_batch_size`` samples of all peers under ``prefix``."""
     create_state(optimizer)
     request_timeout = min(1.0, matchmaking_time / 2)  # hivemind: must stay below matchmaking time
-    return hivemind.Optimizer(
+    return SwarmOptimizer(
         dht=dht,
         run_id=prefix,
         target_batch_size=target_batch_size,
@@ -78,7 +173,13 @@ def swarm_optimizer(
         # hivemind 1.1.12 passes averager_opts to the state averager only: the gradient averager's go here
         averager_opts=dict(request_timeout=request_timeout),
         grad_averager_factory=partial(GradientAverager, request_timeout=request_timeout),
-        tracker_opts=dict(min_refresh_period=0.2, max_refresh_period=2.0, metadata_expiration=4 * averaging_timeout),
+        # with no rate estimates, peers learn of each other's samples only by polling: poll well within matchmaking
+        tracker_opts=dict(
+            min_refresh_period=0.2,
+            max_refresh_period=max(0.5, matchmaking_time / 2),
+            default_refresh_period=max(0.5, matchmaking_time / 2),
+            metadata_expiration=4 * averaging_timeout,
+        ),
         shutdown_timeout=2,
         verbose=False,
     )

@@ -396,12 +396,16 @@ class SwarmStrategy(Strategy):
 
     def _start_server(self) -> None:
         stage = self.served_stage
+        optimizer = self._stage_optimizer
         self.server = StageServer(
             self.run_id,
             stage,
             self._stage_module,
             self.root_device,
-            on_backward=self._stage_step if self._stage_optimizer is not None else None,
+            on_backward=self._stage_step if optimizer is not None else None,
+            on_idle=optimizer.follow_swarm if optimizer is not None else None,
+            idle_period=self.matchmaking_time / 4,
+            describe=optimizer.progress if optimizer is not None else None,
             max_queue=self.max_queue,
             max_request_bytes=self.max_request_bytes,
         )

@@ -197,3 +197,42 @@ def test_late_joiner_downloads_the_stage_and_a_drive_only_trainer(swarm, tmp_pat
         assert torch.allclose(y, expected, atol=1e-5)
     finally:
         node.shutdown()
+
+
+def test_peers_of_a_stage_all_reduce_and_stay_together(swarm, tmp_path):
+    """Two trainers, two peers of stage 1: the routers use both peers, the peers all-reduce when both hold samples
+    (and download the state when one was left idle), and their parameters stay together: they differ by far less
+    than training moved them. (Equality is not guaranteed: a round that fails to assemble in time lets each peer
+    step alone, which the next rounds heal by averaging.)"""
+    env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_COMPRESSION": "none", "SWARM_TARGET_BATCH_SIZE": "64"}
+    env.update(SWARM_MATCHMAKING_TIME="2.0", SWARM_AVERAGING_TIMEOUT="8.0")  # rounds that assemble on 2 busy cores
+    swarm.start("stage0", SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "0"})
+    peers = [swarm.start(name, SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"}) for name in "ab"]
+    node = SwarmNode(initial_peers=peers[0].addresses()).start()
+    try:
+        clients = [RawClient(node, peer.addresses()[0], swarm.run_id, stage=1) for peer in peers]
+        for client, peer in zip(clients, peers):
+            wait_until_serving(client, peer)
+        initial = clients[0].state()
+        for i in range(2):
+            args = [*SMALL_GPT, "--max-steps", "24", "--lr", "1e-2", "--data-seed", str(i)]
+            swarm.start(
+                f"trainer{i}", [*args, "--history", str(tmp_path / f"t{i}.json")], env={**env, "SWARM_ROLE": "drive"}
+            )
+        for i in range(2):
+            assert swarm.wait(f"trainer{i}", timeout=300) == 0, swarm.peers[f"trainer{i}"].log()[-3000:]
+
+        deadline = time.monotonic() + 30  # an idle peer catches up within a few idle periods
+        while len({client.info()["epoch"] for client in clients}) > 1 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        infos = [client.info() for client in clients]
+        states = [client.state() for client in clients]
+        moved = max((states[0][k] - initial[k]).abs().max().item() for k in initial)
+        apart = max((states[0][k] - states[1][k]).abs().max().item() for k in initial)
+        print(f"stage 1 peers: {infos}; moved {moved:.4f}, apart {apart:.2e}")
+        assert all(info["backward_samples"] > 0 for info in infos), "a peer of stage 1 never got work"
+        assert infos[0]["epoch"] == infos[1]["epoch"] > 0
+        assert any(info["steps_by_group_size"].get("2", 0) > 0 for info in infos), "the peers never all-reduced"
+        assert apart < 0.25 * moved
+    finally:
+        node.shutdown()

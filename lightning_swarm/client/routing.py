@@ -1,8 +1,12 @@
-"""Stochastic wiring (SWARM section 3): for every microbatch and stage, pick the peer expected to be free first.
+"""Stochastic wiring (SWARM section 3): for every microbatch and stage, pick a peer at random, favouring the peers
+expected to finish it first.
 
-For each peer of a stage the router estimates when it will be free: the samples queued there (from the peer's
-DHT record) plus the samples this process has in flight there, divided by the peer's throughput as measured
-from this process's own calls (seeded by the peer's announced throughput). The earliest wins; ties go at random.
+For each peer of a stage the router estimates how long the microbatch would take there: the samples queued there
+(from the peer's DHT record), the samples this process has in flight there and the microbatch itself, divided by
+the peer's throughput as measured from this process's own calls. A peer is chosen with probability inversely
+proportional to that time: idle peers share the work in proportion to their throughput, busy ones get less. A peer
+not measured yet, or not for ``remeasure_after`` seconds, is assumed as fast as the fastest measured one, so that
+newcomers and peers once slow get tried (and measured) again.
 A failed or timed-out call bans the peer for a while and the work goes to another peer of the same stage; after
 ``max_retries`` failed attempts the stage is reported as unavailable.
 """
@@ -30,7 +34,7 @@ from lightning_swarm.server.stage_server import StageServer, stage_uid
 
 log = logging.getLogger(__name__)
 
-DEFAULT_THROUGHPUT = 1.0  # samples/s assumed for a peer that announced nothing yet: any measurement beats it
+DEFAULT_THROUGHPUT = 1.0  # samples/s assumed while no peer of the stage has been measured: only ratios matter
 
 
 @dataclass
@@ -38,13 +42,17 @@ class PeerLoad:
     """What this process knows about one peer's load."""
 
     record: PeerRecord
-    throughput: float
+    throughput: Optional[float] = None  # samples/s of this process's calls there; None until one succeeded
+    measured_at: float = 0.0
     in_flight: int = 0
     banned_until: float = 0.0
     failures: int = 0
 
-    def expected_free_at(self, now: float, batch: int) -> float:
-        return now + (self.record.queue + self.in_flight + batch) / max(self.throughput, 1e-9)
+    def known_throughput(self, now: float, remeasure_after: float) -> Optional[float]:
+        return self.throughput if now - self.measured_at < remeasure_after else None
+
+    def time_to_finish(self, batch: int, throughput: float) -> float:
+        return (self.record.queue + self.in_flight + batch) / max(throughput, 1e-9)
 
 
 @dataclass
@@ -68,17 +76,18 @@ class StageRouter:
         max_retries: int = 5,
         ban_timeout: float = 15.0,
         refresh_period: float = 2.0,
+        remeasure_after: float = 30.0,
         ema_alpha: float = 0.2,
     ) -> None:
         self.node, self.run_id, self.num_stages = node, run_id, num_stages
         self.request_timeout, self.max_retries, self.ban_timeout = request_timeout, max_retries, ban_timeout
-        self.refresh_period, self.ema_alpha = refresh_period, ema_alpha
+        self.refresh_period, self.remeasure_after, self.ema_alpha = refresh_period, remeasure_after, ema_alpha
         self.stats = RouterStats()
         self.local_server: Optional[StageServer] = None  # this peer's own stage server, called without the network
         self._peers: list[dict[str, PeerLoad]] = [{} for _ in range(num_stages)]
         self._refreshed_at = [0.0] * num_stages
         self._lock = threading.Lock()
-        self._rng = random.Random()  # seeded by the OS: trainers seeded alike must not break ties alike
+        self._rng = random.Random()  # seeded by the OS: trainers seeded alike must not choose alike
 
     # ---- peer choice ------------------------------------------------------------------------------------------------
 
@@ -99,20 +108,22 @@ class StageRouter:
                 if peer_id in known:
                     known[peer_id].record = record
                 else:
-                    known[peer_id] = PeerLoad(record, record.throughput or DEFAULT_THROUGHPUT)
+                    known[peer_id] = PeerLoad(record)
             self._refreshed_at[stage] = time.monotonic()
 
     def choose(self, stage: int, batch: int, exclude: frozenset = frozenset()) -> Optional[str]:
-        """The serving, unbanned peer of ``stage`` expected to finish ``batch`` more samples first."""
+        """A serving, unbanned peer of ``stage`` for ``batch`` more samples (see the module docstring)."""
         self.refresh(stage)
         now = time.monotonic()
         with self._lock:
-            candidates = [
-                (load.expected_free_at(now, batch), self._rng.random(), peer_id)
+            usable = [
+                (peer_id, load, load.known_throughput(now, self.remeasure_after))
                 for peer_id, load in self._peers[stage].items()
                 if peer_id not in exclude and load.banned_until <= now and load.record.state == PeerState.SERVING
             ]
-        return min(candidates)[2] if candidates else None
+            fastest = max((t for *_, t in usable if t is not None), default=DEFAULT_THROUGHPUT)
+            weights = [1.0 / load.time_to_finish(batch, fastest if t is None else t) for _, load, t in usable]
+        return self._rng.choices([peer_id for peer_id, *_ in usable], weights)[0] if usable else None
 
     # ---- calls ------------------------------------------------------------------------------------------------------
 
@@ -182,7 +193,9 @@ class StageRouter:
         with self._lock:
             if load is not None:
                 measured = batch / max(elapsed, 1e-6)
-                load.throughput += self.ema_alpha * (measured - load.throughput)
+                previous = load.known_throughput(time.monotonic(), self.remeasure_after) or measured
+                load.throughput = previous + self.ema_alpha * (measured - previous)
+                load.measured_at = time.monotonic()
                 load.failures = 0
         return reply
 

@@ -41,6 +41,9 @@ class StageServer(ServicerBase):
         module: the stage's blocks, already on ``device``.
         on_backward: called on the worker thread after each successful backward with the microbatch size,
             once the parameters' ``.grad`` hold that microbatch's gradients (the stage optimizer's hook).
+        on_idle: called on the worker thread whenever no request came for ``idle_period`` seconds, so that a
+            peer the routers leave idle still follows the stage's optimizer steps.
+        describe: more entries for ``info()`` (e.g. the stage optimizer's progress).
         max_queue: requests waiting for the worker; further requests are answered "busy".
         max_request_bytes: requests with more tensor bytes are refused before they are decoded.
     """
@@ -52,11 +55,15 @@ class StageServer(ServicerBase):
         module: nn.Module,
         device: torch.device,
         on_backward: Optional[Callable[[int], None]] = None,
+        on_idle: Optional[Callable[[], None]] = None,
+        idle_period: float = 1.0,
+        describe: Optional[Callable[[], dict]] = None,
         max_queue: int = 64,
         max_request_bytes: int = 256 * 2**20,
     ) -> None:
         self.run_id, self.stage, self.uid = run_id, stage, stage_uid(run_id, stage)
         self.module, self.device, self.on_backward = module, device, on_backward
+        self.on_idle, self.idle_period, self.describe = on_idle, idle_period, describe
         self.max_request_bytes = max_request_bytes
         self.params = [p for p in module.parameters() if p.requires_grad]
         floating = [p.dtype for p in module.parameters() if p.is_floating_point()]
@@ -111,6 +118,7 @@ class StageServer(ServicerBase):
             queued_samples=self._queued_samples,
             throughput=self.throughput.samples_per_second if self.throughput.num_updates else 0.0,
             backward_samples=self.backward_samples,
+            **(self.describe() if self.describe is not None else {}),
         )
 
     async def rpc_state(
@@ -181,7 +189,11 @@ class StageServer(ServicerBase):
 
     def _work(self) -> None:
         while True:
-            task = self._tasks.get()
+            try:
+                task = self._tasks.get(timeout=self.idle_period)
+            except queue.Empty:
+                self._idle()
+                continue
             if task is None:
                 return
             kind, tensors, train, batch, future = task
@@ -200,6 +212,15 @@ class StageServer(ServicerBase):
             else:
                 self.throughput.update(batch, interval=time.perf_counter() - start)
                 future.set_result(output)
+
+    def _idle(self) -> None:
+        if self.on_idle is None:
+            return
+        try:
+            with self.lock:
+                self.on_idle()
+        except Exception as e:  # the next idle period tries again; requests must keep being served
+            log.warning("Stage %d: idle-time work failed: %r", self.stage, e)
 
     @torch.no_grad()
     def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
