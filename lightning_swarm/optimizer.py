@@ -78,6 +78,7 @@ class CountingProgressTracker(ProgressTracker):
     def __init__(self, *args: Any, start: bool, **kwargs: Any) -> None:
         super().__init__(*args, start=False, **kwargs)
         self.performance_ema = _NoRateEstimate()
+        self._others: tuple[Optional[int], int] = (None, 0)  # (epoch, samples of the other peers) as last fetched
         if start:
             self.start()
 
@@ -87,7 +88,18 @@ class CountingProgressTracker(ProgressTracker):
         entries = [LocalTrainingProgress.parse_obj(e.value) for e in (metadata or {}).values() if e.value is not None]
         contributors = [e for e in entries if e.epoch == progress.epoch and e.samples_accumulated and e.peer_id != me]
         progress.num_peers = 1 + len(contributors)
+        self._others = (progress.epoch, sum(e.samples_accumulated for e in contributors))
         return progress
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        # hivemind adds this peer's new samples to the global count without the lock its fetcher holds, so a fetch
+        # finishing just after can drop them and the step comes late; so also count this peer's own samples as
+        # they are now, plus the others' as last fetched
+        epoch, others = self._others
+        mine = self.local_progress.samples_accumulated
+        counted = mine + (others if epoch == self.local_progress.epoch else 0)
+        return super().ready_to_update_epoch or counted >= self.target_batch_size
 
 
 class SwarmOptimizer(hivemind.Optimizer):

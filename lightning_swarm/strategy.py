@@ -77,6 +77,9 @@ class SwarmStrategy(Strategy):
             optimizer step. None: the batch size of the datamodule (``datamodule.batch_size``).
         compression: codec for activations and their gradients between stages: ``"8bit"`` (blockwise),
             ``"float16"`` or ``"none"``.
+        microbatches: a training batch is split into this many microbatches that travel through the stages
+            concurrently, so that one trainer keeps several stages busy (loss and gradients equal the unsplit
+            batch's). Uses the largest divisor of the batch size not above it. Default 1.
         host_maddrs: multiaddrs to listen on. Default: loopback only; use ``/ip4/0.0.0.0/tcp/<port>`` to accept
             peers from other machines.
         announce_maddrs: multiaddrs other peers should dial (e.g. a public IP), when they differ from host_maddrs.
@@ -108,6 +111,7 @@ class SwarmStrategy(Strategy):
         stage: Optional[int] = None,
         target_batch_size: Optional[int] = None,
         compression: Optional[Codec] = None,
+        microbatches: Optional[int] = None,
         host_maddrs: Optional[Union[str, list[str]]] = None,
         announce_maddrs: Optional[Union[str, list[str]]] = None,
         identity_path: Optional[str] = None,
@@ -140,6 +144,9 @@ class SwarmStrategy(Strategy):
             raise ValueError(f"stage={self.stage} is not one of the {self.num_stages} stages")
         self.target_batch_size = _setting("target_batch_size", target_batch_size, int, None)
         self.compression = check_codec(_setting("compression", compression, str, "8bit"))
+        self.microbatches = _setting("microbatches", microbatches, int, 1)
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be at least 1, got {self.microbatches}")
         self.host_maddrs = _setting("host_maddrs", host_maddrs, _as_list, list(LOOPBACK_MADDRS))
         self.announce_maddrs = _setting("announce_maddrs", announce_maddrs, _as_list, [])
         self.identity_path = _setting("identity_path", identity_path, str, None)
@@ -309,6 +316,9 @@ class SwarmStrategy(Strategy):
             if shutdown is not None:
                 shutdown()
         self._stage_optimizer, self.optimizers = None, []
+        pipeline = getattr(self.lightning_module, self._pipeline_name or "", None)
+        if isinstance(pipeline, RemotePipeline):
+            pipeline.close()
         self.router = None
         if self.node is not None:
             self.node.shutdown()
@@ -343,7 +353,7 @@ class SwarmStrategy(Strategy):
             refresh_period=min(2.0, self.update_period),
         )
         self.router.local_server = self.server
-        setattr(module, self._pipeline_name, RemotePipeline(self.router, self.compression))
+        setattr(module, self._pipeline_name, RemotePipeline(self.router, self.compression, self.microbatches))
 
     def _partition(self, module: LightningModule) -> None:
         """Balance the stages, keep this peer's stage and drop the other blocks (never allocated on meta)."""

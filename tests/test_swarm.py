@@ -63,11 +63,13 @@ def initial_gpt_state() -> dict:
     ).state_dict()
 
 
-def test_exact_against_single_process(swarm, tmp_path):
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_exact_against_single_process(swarm, tmp_path, microbatches):
     """Compression off, one peer per stage, one trainer: parameters after k steps, and validation losses computed
-    through the swarm (during fit and in a later trainer.validate), equal plain training's."""
+    through the swarm (during fit and in a later trainer.validate), equal plain training's; also with each batch
+    split into microbatches in flight (equal up to float summation order)."""
     args = [*SMALL_GPT, "--max-steps", "6", "--val-every", "3", "--val-batches", "2"]
-    env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_COMPRESSION": "none"}
+    env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_COMPRESSION": "none", "SWARM_MICROBATCHES": str(microbatches)}
     swarm.start("stage1", SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})
     swarm.start(
         "trainer",
@@ -81,15 +83,20 @@ def test_exact_against_single_process(swarm, tmp_path):
     initial_state = initial_gpt_state()
     assert swarm_state.keys() == plain_state.keys()
     worst = max((swarm_state[k] - plain_state[k]).abs().max().item() for k in plain_state)
-    print(f"exactness: max |swarm - plain| over all parameters after 6 steps = {worst:.3g}")
-    assert worst <= 1e-6
+    print(
+        f"exactness ({microbatches} microbatches): max |swarm - plain| over all parameters after 6 steps = {worst:.3g}"
+    )
+    # split microbatches sum gradients in another order; Adam turns that rounding into steps of up to lr on
+    # parameters whose gradient is zero (the attention's key bias), hence the looser bound
+    tolerance, loss_tolerance = (1e-6, 1e-6) if microbatches == 1 else (5e-4, 1e-4)
+    assert worst <= tolerance
     moved = max((swarm_state[k] - initial_state[k]).abs().max().item() for k in plain_state)
     assert moved > 1e-3, "training changed nothing: the comparison would prove nothing"
 
     swarm_history = history(tmp_path / "swarm.json")
     assert len(swarm_history["val_losses"]) == 3  # at steps 3 and 6, then trainer.validate after fit
-    assert swarm_history["val_losses"] == pytest.approx(plain_history["val_losses"], abs=1e-6)
-    assert swarm_history["losses"] == pytest.approx(plain_history["losses"], abs=1e-6)
+    assert swarm_history["val_losses"] == pytest.approx(plain_history["val_losses"], abs=loss_tolerance)
+    assert swarm_history["losses"] == pytest.approx(plain_history["losses"], abs=loss_tolerance)
 
 
 def test_four_peers_two_stages_loss_falls(swarm, tmp_path):

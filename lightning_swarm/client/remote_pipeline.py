@@ -4,11 +4,17 @@ Its forward sends the activations through one peer per stage, and its backward s
 same way, so the user's ``training_step`` and loss code run unchanged. The input of every stage is kept on the
 caller, which lets backward go to the peer that ran the forward or, if that one died, to any other peer of the
 stage (the server recomputes the stage's forward from that input).
+
+A batch is split into equal microbatches that travel through the stages concurrently (each on its own route), so
+that one trainer keeps several stages busy at once. Outputs and input gradients are concatenated back, so the loss
+and the gradients equal the unsplit batch's: each microbatch's output gradient is scaled to be that of its own
+mean loss, which is what the stage optimizers accumulate, and the returned gradient is scaled back.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional, TypeVar
 
 import torch
 from torch import nn
@@ -16,14 +22,25 @@ from torch import nn
 from lightning_swarm import compression
 from lightning_swarm.client.routing import StageRouter
 
+T = TypeVar("T")
+Route = tuple[list[torch.Tensor], list[str]]  # a microbatch's input to every stage, and the peer that served it
+
 
 class RemotePipeline(nn.Module):
-    """Runs the pipeline's stages on the swarm. Holds no parameters: those live on the stage servers."""
+    """Runs the pipeline's stages on the swarm. Holds no parameters: those live on the stage servers.
 
-    def __init__(self, router: StageRouter, codec: str = "8bit") -> None:
+    Args:
+        microbatches: a batch is split into this many equal microbatches in flight at once (fewer when the batch
+            size is not a multiple: the largest divisor of the batch size not above it).
+    """
+
+    def __init__(self, router: StageRouter, codec: str = "8bit", microbatches: int = 1) -> None:
         super().__init__()
-        self.router = router
+        if microbatches < 1:
+            raise ValueError(f"microbatches must be at least 1, got {microbatches}")
+        self.router, self.microbatches = router, microbatches
         self.codec = compression.check_codec(codec)
+        self._pool = ThreadPoolExecutor(microbatches, "swarm-microbatch") if microbatches > 1 else None
         # a leaf that requires grad, so that backward reaches the stages even when the input needs no gradient
         self.register_buffer("_grad_anchor", torch.empty(0), persistent=False)
 
@@ -33,25 +50,46 @@ class RemotePipeline(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            outputs, _, _ = self.run_forward(inputs)
+            outputs, _ = self.run_forward(inputs)
             return outputs
         anchor = self._grad_anchor.detach().requires_grad_()
         return _RemoteStages.apply(self, anchor, inputs)
 
-    def run_forward(self, inputs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[str]]:
-        """Forward through every stage; returns the output, each stage's input and the peer that served it."""
+    def run_forward(self, inputs: torch.Tensor) -> tuple[torch.Tensor, list[Route]]:
+        """Forward through every stage, microbatches concurrently; returns the output and each microbatch's route."""
+        results = self._map(self._forward_route, self._split(inputs.detach()))
+        return torch.cat([output for output, _ in results]).to(inputs.device), [route for _, route in results]
+
+    def run_backward(self, grad_outputs: torch.Tensor, routes: list[Route]) -> torch.Tensor:
+        """Backward through every stage along the routes of ``run_forward``, microbatches concurrently."""
+        scale = len(routes)  # equal microbatches: the gradient of a microbatch's own mean loss is scale times its part
+        grads = [grad * scale for grad in grad_outputs.detach().chunk(scale)]
+        return torch.cat(self._map(self._backward_route, grads, routes)) / scale
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    def _split(self, inputs: torch.Tensor) -> list[torch.Tensor]:
+        size = inputs.shape[0] if inputs.ndim else 1
+        count = max(d for d in range(1, min(self.microbatches, size) + 1) if size % d == 0)
+        return list(inputs.chunk(count)) if count > 1 else [inputs]
+
+    def _map(self, fn: Callable[..., T], *iterables: list) -> list[T]:
+        if self._pool is None or len(iterables[0]) == 1:
+            return list(map(fn, *iterables))
+        return list(self._pool.map(fn, *iterables))
+
+    def _forward_route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Route]:
         stage_inputs, peers = [], []
-        hidden = inputs.detach()
         for stage in range(self.num_stages):
             stage_inputs.append(hidden)
             hidden, peer = self._call(stage, "forward", [hidden])
             peers.append(peer)
-        return hidden.to(inputs.device), stage_inputs, peers
+        return hidden, (stage_inputs, peers)
 
-    def run_backward(
-        self, grad_outputs: torch.Tensor, stage_inputs: list[torch.Tensor], peers: list[str]
-    ) -> torch.Tensor:
-        grad = grad_outputs.detach()
+    def _backward_route(self, grad: torch.Tensor, route: Route) -> torch.Tensor:
+        stage_inputs, peers = route
         for stage in reversed(range(self.num_stages)):
             grad, _ = self._call(stage, "backward", [stage_inputs[stage], grad], prefer=peers[stage])
         return grad
@@ -69,14 +107,14 @@ class RemotePipeline(nn.Module):
 class _RemoteStages(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pipeline: RemotePipeline, anchor: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-        outputs, stage_inputs, peers = pipeline.run_forward(inputs)
-        ctx.pipeline, ctx.stage_inputs, ctx.peers = pipeline, stage_inputs, peers
+        outputs, routes = pipeline.run_forward(inputs)
+        ctx.pipeline, ctx.routes = pipeline, routes
         ctx.input_device, ctx.input_dtype = inputs.device, inputs.dtype
         return outputs
 
     @staticmethod
     def backward(ctx, grad_outputs: torch.Tensor):
-        grad_inputs = ctx.pipeline.run_backward(grad_outputs, ctx.stage_inputs, ctx.peers)
+        grad_inputs = ctx.pipeline.run_backward(grad_outputs, ctx.routes)
         if not ctx.needs_input_grad[2]:
             return None, None, None
         return None, None, grad_inputs.to(device=ctx.input_device, dtype=ctx.input_dtype)
