@@ -199,10 +199,12 @@ class History(L.Callback):
         self.path, self.save, self.every = path, save, every
         self.losses: list[float] = []
         self.val_losses: list[float] = []
+        self.times: list[float] = []  # when each step ended, to measure steady-state throughput
         self.samples, self.start = 0, time.time()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
+        self.times.append(time.time())
         self.samples += len(batch[0])
         if self.path and len(self.losses) % self.every == 0:
             self.write(trainer)
@@ -228,6 +230,7 @@ class History(L.Callback):
             seconds=time.time() - self.start,
             losses=self.losses,
             val_losses=self.val_losses,
+            times=self.times,
             stage=getattr(strategy, "served_stage", None),
             failovers=router.stats.failovers if router else 0,
             calls_per_peer=router.stats.chosen if router else {},

@@ -104,22 +104,12 @@ class CountingProgressTracker(ProgressTracker):
 
 class SwarmOptimizer(hivemind.Optimizer):
     """``hivemind.Optimizer`` that counts samples exactly (see ``CountingProgressTracker``), can follow the swarm
-    while it has no work, and counts its steps by the size of the all-reduce group they used (1: alone)."""
+    while it has no work, and counts its steps and gradient all-reduces."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.group_sizes: Counter[int] = Counter()
-        self._group_size = 1
-
-    def _update_global_epoch(self, grad_scaler: Any) -> None:
-        self._group_size = 1
-        super()._update_global_epoch(grad_scaler)
-        self.group_sizes[self._group_size] += 1
-
-    def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
-        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
-        if maybe_step_control is not None and maybe_step_control.done() and not maybe_step_control.exception():
-            self._group_size = len(maybe_step_control.result())
+        self.steps = 0
+        self.allreduce_sizes: Counter[int] = Counter()  # gradient all-reduces that succeeded, by group size
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
         return CountingProgressTracker(
@@ -132,14 +122,24 @@ class SwarmOptimizer(hivemind.Optimizer):
             **kwargs,
         )
 
+    def _update_global_epoch(self, grad_scaler: Any) -> None:
+        super()._update_global_epoch(grad_scaler)
+        self.steps += 1
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        if maybe_step_control is not None and maybe_step_control.done() and not maybe_step_control.exception():
+            self.allreduce_sizes[len(maybe_step_control.result())] += 1
+
     def _should_load_state_from_peers(self) -> bool:
         # hivemind lets a peer one epoch behind step with its own gradients; here the others' round is over by the
         # time their new epoch is visible, so such a step would fork this peer's parameters from theirs
         return self.local_epoch < self.tracker.global_epoch
 
     def progress(self) -> dict:
-        """This peer's epoch and its steps by all-reduce group size (keys are strings, for msgpack)."""
-        return dict(epoch=self.local_epoch, steps_by_group_size={str(k): v for k, v in self.group_sizes.items()})
+        """This peer's epoch, steps taken, and gradient all-reduces by group size (string keys, for msgpack)."""
+        sizes = {str(k): v for k, v in self.allreduce_sizes.items()}
+        return dict(epoch=self.local_epoch, steps=self.steps, allreduce_sizes=sizes)
 
     def follow_swarm(self) -> None:
         """Keep an idle peer in step with the others (call it between two ``step`` calls).
@@ -150,6 +150,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         others have stepped without this peer, or join the epoch transition they are ready for if this peer has
         gradients to contribute.
         """
+        if self.delay_optimizer_step:
+            self.state_averager.step(apply_delayed_updates=True)
         if self.local_epoch < self.tracker.global_epoch:
             self.load_state_from_peers()
         elif self.grad_averager.local_samples_accumulated > 0 and self.tracker.ready_to_update_epoch:
@@ -167,21 +169,38 @@ def swarm_optimizer(
     target_batch_size: int,
     matchmaking_time: float,
     averaging_timeout: float,
+    delayed: bool = False,
 ) -> SwarmOptimizer:
-    """Wrap ``optimizer`` so that it steps once per ``target_batch_size`` samples of all peers under ``prefix``."""
-    create_state(optimizer)
+    """Wrap ``optimizer`` so that it steps once per ``target_batch_size`` samples of all peers under ``prefix``.
+
+    ``delayed``: the all-reduce and the optimizer step run in the background while the parameters keep their
+    values; the update lands at the next ``step`` (or ``follow_swarm``) call, so they are at most one step stale.
+    hivemind then steps its own copy of the parameters, with an optimizer it builds: the same class and groups.
+    """
+    if delayed:
+        optimizer_class = type(optimizer)
+
+        def build(param_groups: list[dict]) -> torch.optim.Optimizer:
+            built = optimizer_class(param_groups)
+            create_state(built)
+            return built
+
+        setup = dict(params=[dict(group) for group in optimizer.param_groups], optimizer=build, offload_optimizer=True)
+    else:
+        create_state(optimizer)
+        setup = dict(optimizer=optimizer)
     request_timeout = min(1.0, matchmaking_time / 2)  # hivemind: must stay below matchmaking time
     return SwarmOptimizer(
         dht=dht,
         run_id=prefix,
         target_batch_size=target_batch_size,
-        optimizer=optimizer,
+        **setup,
         matchmaking_time=matchmaking_time,
         averaging_timeout=averaging_timeout,
         load_state_timeout=averaging_timeout,
-        delay_state_averaging=False,
-        delay_optimizer_step=False,
-        delay_grad_averaging=False,
+        delay_state_averaging=delayed,
+        delay_optimizer_step=delayed,
+        delay_grad_averaging=delayed,
         # hivemind 1.1.12 passes averager_opts to the state averager only: the gradient averager's go here
         averager_opts=dict(request_timeout=request_timeout),
         grad_averager_factory=partial(GradientAverager, request_timeout=request_timeout),

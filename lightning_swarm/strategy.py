@@ -77,6 +77,9 @@ class SwarmStrategy(Strategy):
             optimizer step. None: the batch size of the datamodule (``datamodule.batch_size``).
         compression: codec for activations and their gradients between stages: ``"8bit"`` (blockwise),
             ``"float16"`` or ``"none"``.
+        delayed_updates: a stage's all-reduce and optimizer step run in the background while its peer keeps
+            serving with the previous parameters (one step of staleness, never more). Default False for now: with
+            it on, two peers of a stage can end a run apart by about one step (being investigated).
         microbatches: a training batch is split into this many microbatches that travel through the stages
             concurrently, so that one trainer keeps several stages busy (loss and gradients equal the unsplit
             batch's). Uses the largest divisor of the batch size not above it. Default 1.
@@ -111,6 +114,7 @@ class SwarmStrategy(Strategy):
         stage: Optional[int] = None,
         target_batch_size: Optional[int] = None,
         compression: Optional[Codec] = None,
+        delayed_updates: Optional[bool] = None,
         microbatches: Optional[int] = None,
         host_maddrs: Optional[Union[str, list[str]]] = None,
         announce_maddrs: Optional[Union[str, list[str]]] = None,
@@ -144,6 +148,7 @@ class SwarmStrategy(Strategy):
             raise ValueError(f"stage={self.stage} is not one of the {self.num_stages} stages")
         self.target_batch_size = _setting("target_batch_size", target_batch_size, int, None)
         self.compression = check_codec(_setting("compression", compression, str, "8bit"))
+        self.delayed_updates = _setting("delayed_updates", delayed_updates, _flag, False)
         self.microbatches = _setting("microbatches", microbatches, int, 1)
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be at least 1, got {self.microbatches}")
@@ -402,6 +407,7 @@ class SwarmStrategy(Strategy):
             self._resolve_target_batch_size(trainer),
             self.matchmaking_time,
             self.averaging_timeout,
+            delayed=self.delayed_updates,
         )
 
     def _start_server(self) -> None:
@@ -551,6 +557,17 @@ def _as_list(value: Union[str, list[str]]) -> list[str]:
     if isinstance(value, str):
         return [item.strip() for item in value.replace(" ", ",").split(",") if item.strip()]
     return list(value)
+
+
+def _flag(value: Union[bool, str]) -> bool:
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (true/false, 1/0, yes/no, on/off), got {value!r}")
 
 
 def _setting(name: str, value: Any, cast: Callable[[Any], T], default: Any) -> Any:

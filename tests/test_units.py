@@ -41,6 +41,7 @@ def test_arguments_win_over_environment(monkeypatch):
         (dict(run_id="a.b"), "run_id"),
         (dict(num_stages=0), "num_stages"),
         (dict(microbatches=0), "microbatches"),
+        (dict(delayed_updates="maybe"), "boolean"),
         (dict(role="boss"), "role"),
         (dict(num_stages=2, stage=2), "stage=2"),
         (dict(compression="4bit"), "compression"),

@@ -1,0 +1,26 @@
+"""A seconds-long smoke run of each benchmark script: it runs, and writes a results table with real figures."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_swarm_throughput_smoke(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    script = ROOT / "benchmarks" / "swarm_throughput.py"
+    subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out)],
+        check=True,
+        timeout=600,
+        capture_output=True,
+        start_new_session=True,
+    )
+    text = out.read_text()
+    row = re.search(r"^\| 32 \| ([0-9.]+) \| ([0-9.]+) \(", text, re.MULTILINE)
+    assert row, text
+    plain, ratio = float(row.group(1)), float(row.group(2))
+    assert plain > 0 and 0 < ratio < 10, text
