@@ -29,8 +29,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 from lightning_swarm.launch import LocalSwarm  # noqa: E402
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HIVEMIND_LOGLEVEL": "ERROR", "PYTHONWARNINGS": "ignore"}
+STAGES = 2
 SWARM = {
-    "SWARM_NUM_STAGES": "2",
+    "SWARM_NUM_STAGES": str(STAGES),
     "SWARM_MATCHMAKING_TIME": "1.0",
     "SWARM_AVERAGING_TIMEOUT": "5.0",
     "SWARM_UPDATE_PERIOD": "2.0",
@@ -69,7 +70,7 @@ def swarm(args: list[str], work: Path, run_id: str, delayed: bool, microbatches:
     out = work / f"{run_id}.json"
     env = {**SWARM, "SWARM_DELAYED_UPDATES": str(delayed), "SWARM_MICROBATCHES": str(microbatches)}
     with LocalSwarm([GPT], work / run_id, run_id=run_id, env=ONE_THREAD) as local:
-        for stage in range(2):
+        for stage in range(STAGES):
             local.start(f"stage{stage}", args, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": str(stage)})
         local.start("trainer", [*args, "--history", str(out)], env={**env, "SWARM_ROLE": "drive"})
         if local.wait("trainer", timeout=900) != 0:
@@ -101,7 +102,7 @@ def main() -> None:
                 history = swarm(args, work, run_id, delayed, microbatches)
                 row[label] = steady_throughput(history)
                 activation = a.batch_size * a.block_size * d_model * 4  # fp32 bytes at one boundary, per batch
-                row[f"{label} bytes"] = history["bytes_sent"] / history["steps"] / (2 * activation * (2 - 1))
+                row[f"{label} bytes"] = history["bytes_sent"] / history["steps"] / (2 * activation * (STAGES - 1))
                 print(
                     f"d_model {d_model:4d} | {label:26s} | {row[label]:7.1f} samples/s "
                     f"(plain {ideal:7.1f}, ratio {row[label] / ideal:.3f})",
@@ -111,6 +112,10 @@ def main() -> None:
     write(rows, variants, Path(a.out), smoke=a.smoke, steps=steps, batch=a.batch_size, block=a.block_size)
 
 
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def write(rows: list[dict], variants: list, path: Path, smoke: bool, steps: int, batch: int, block: int) -> None:
     labels = [label for label, *_ in variants]
     lines = [
@@ -118,28 +123,29 @@ def write(rows: list[dict], variants: list, path: Path, smoke: bool, steps: int,
         "",
         f"`python benchmarks/swarm_throughput.py`{' --smoke' if smoke else ''}, {time.strftime('%Y-%m-%d')}, "
         f"{platform.processor() or platform.machine()}, Python {platform.python_version()}; GPT with 4 blocks, "
-        f"batch {batch}, block {block}, {steps} steps, 8-bit compression, 2 stages, one torch thread per process, "
-        "all processes on this machine (loopback).",
+        f"batch {batch}, block {block}, {steps} steps, 8-bit compression, {STAGES} stages, one torch thread per "
+        "process, all processes on this machine (loopback).",
         "",
         "## Throughput, as a ratio of plain single-process training measured in the same run",
         "",
-        "| d_model | plain (samples/s) | " + " | ".join(labels) + " |",
-        "|---|---|" + "---|" * len(labels),
-    ]
-    for row in rows:
-        cells = [f"{row[label] / row['plain']:.3f} ({row[label]:.1f}/s)" for label in labels]
-        lines.append(f"| {row['d_model']} | {row['plain']:.1f} | " + " | ".join(cells) + " |")
-    lines += [
+        *table(
+            ["d_model", "plain (samples/s)", *labels],
+            [
+                [str(row["d_model"]), f"{row['plain']:.1f}"]
+                + [f"{row[label] / row['plain']:.3f} ({row[label]:.1f}/s)" for label in labels]
+                for row in rows
+            ],
+        ),
         "",
         "## Bytes the trainer sends per batch, as a multiple of the ideal 2*A*(S-1)",
         "",
-        "A: the fp32 bytes of one boundary's activations for the batch; S = 2 stages.",
+        f"A: the fp32 bytes of one boundary's activations for the batch; S = {STAGES} stages.",
         "",
-        "| d_model | " + " | ".join(labels) + " |",
-        "|---|" + "---|" * len(labels),
+        *table(
+            ["d_model", *labels],
+            [[str(row["d_model"])] + [f"{row[f'{label} bytes']:.2f}" for label in labels] for row in rows],
+        ),
     ]
-    for row in rows:
-        lines.append(f"| {row['d_model']} | " + " | ".join(f"{row[f'{label} bytes']:.2f}" for label in labels) + " |")
     path.write_text("\n".join(lines) + "\n")
     print(f"wrote {path}")
 

@@ -152,7 +152,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         """
         if self.delay_optimizer_step:
             self.state_averager.step(apply_delayed_updates=True)
-        if self.local_epoch < self.tracker.global_epoch:
+        if self._should_load_state_from_peers():
             self.load_state_from_peers()
         elif self.grad_averager.local_samples_accumulated > 0 and self.tracker.ready_to_update_epoch:
             # what step() does once ready, without new samples (a stale pre-scheduled round would make hivemind

@@ -36,8 +36,6 @@ class RemotePipeline(nn.Module):
 
     def __init__(self, router: StageRouter, codec: str = "8bit", microbatches: int = 1) -> None:
         super().__init__()
-        if microbatches < 1:
-            raise ValueError(f"microbatches must be at least 1, got {microbatches}")
         self.router, self.microbatches = router, microbatches
         self.codec = compression.check_codec(codec)
         self._pool = ThreadPoolExecutor(microbatches, "swarm-microbatch") if microbatches > 1 else None
@@ -73,7 +71,7 @@ class RemotePipeline(nn.Module):
     def _split(self, inputs: torch.Tensor) -> list[torch.Tensor]:
         size = inputs.shape[0] if inputs.ndim else 1
         count = max(d for d in range(1, min(self.microbatches, size) + 1) if size % d == 0)
-        return list(inputs.chunk(count)) if count > 1 else [inputs]
+        return list(inputs.chunk(count))
 
     def _map(self, fn: Callable[..., T], *iterables: list) -> list[T]:
         if self._pool is None or len(iterables[0]) == 1:

@@ -192,10 +192,10 @@ class StageRouter:
         elapsed = time.perf_counter() - start
         with self._lock:
             if load is not None:
-                measured = batch / max(elapsed, 1e-6)
-                previous = load.known_throughput(time.monotonic(), self.remeasure_after) or measured
+                measured, now = batch / max(elapsed, 1e-6), time.monotonic()
+                previous = load.known_throughput(now, self.remeasure_after) or measured
                 load.throughput = previous + self.ema_alpha * (measured - previous)
-                load.measured_at = time.monotonic()
+                load.measured_at = now
                 load.failures = 0
         return reply
 
