@@ -15,11 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +25,9 @@ GPT = str(ROOT / "examples" / "gpt.py")
 sys.path.insert(0, str(ROOT / "examples"))
 
 from lightning_swarm.launch import LocalSwarm  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from report import RESULTS, machine, table, update_section  # noqa: E402
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HIVEMIND_LOGLEVEL": "ERROR", "PYTHONWARNINGS": "ignore"}
 STAGES = 2
@@ -85,7 +86,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "RESULTS.md"))
+    parser.add_argument("--out", default=str(RESULTS))
     a = parser.parse_args()
     sizes, steps = ([32], 6) if a.smoke else (a.sizes, a.steps)
     variants = VARIANTS[1:2] if a.smoke else VARIANTS
@@ -112,21 +113,16 @@ def main() -> None:
     write(rows, variants, Path(a.out), smoke=a.smoke, steps=steps, batch=a.batch_size, block=a.block_size)
 
 
-def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
-
-
 def write(rows: list[dict], variants: list, path: Path, smoke: bool, steps: int, batch: int, block: int) -> None:
     labels = [label for label, *_ in variants]
     lines = [
-        "# Benchmark results",
+        "## Swarm throughput",
         "",
-        f"`python benchmarks/swarm_throughput.py`{' --smoke' if smoke else ''}, {time.strftime('%Y-%m-%d')}, "
-        f"{platform.processor() or platform.machine()}, Python {platform.python_version()}; GPT with 4 blocks, "
+        f"`python benchmarks/swarm_throughput.py`{' --smoke' if smoke else ''}, {machine()}; GPT with 4 blocks, "
         f"batch {batch}, block {block}, {steps} steps, 8-bit compression, {STAGES} stages, one torch thread per "
         "process, all processes on this machine (loopback).",
         "",
-        "## Throughput, as a ratio of plain single-process training measured in the same run",
+        "### Throughput, as a ratio of plain single-process training measured in the same run",
         "",
         *table(
             ["d_model", "plain (samples/s)", *labels],
@@ -137,7 +133,7 @@ def write(rows: list[dict], variants: list, path: Path, smoke: bool, steps: int,
             ],
         ),
         "",
-        "## Bytes the trainer sends per batch, as a multiple of the ideal 2*A*(S-1)",
+        "### Bytes the trainer sends per batch, as a multiple of the ideal 2*A*(S-1)",
         "",
         f"A: the fp32 bytes of one boundary's activations for the batch; S = {STAGES} stages.",
         "",
@@ -146,8 +142,7 @@ def write(rows: list[dict], variants: list, path: Path, smoke: bool, steps: int,
             [[str(row["d_model"])] + [f"{row[f'{label} bytes']:.2f}" for label in labels] for row in rows],
         ),
     ]
-    path.write_text("\n".join(lines) + "\n")
-    print(f"wrote {path}")
+    update_section("swarm_throughput", lines, path)
 
 
 if __name__ == "__main__":
