@@ -1,10 +1,12 @@
-"""Swarm throughput against plain training, side by side in one run, and what delayed updates and microbatches
-in flight buy; plus the bytes a trainer sends per microbatch against the ideal 2*A*(S-1).
+"""The square-cube law on this machine: pipeline efficiency against model size, what delayed updates and
+microbatches in flight buy, each stage's compute/communication ratio, the bytes sent per batch against the ideal
+2*A*(S-1), and each peer's peak memory against the full model's.
 
-Every configuration trains examples/gpt.py on this machine: plain single-process training (the ideal), then a
-2-stage swarm (one serve-only peer per stage and a drive-only trainer, 8-bit compression) with synchronous or
-delayed stage updates and 1 or 4 microbatches in flight. Each process gets one torch thread. Throughput is measured
-over the second half of the trainer's steps (after start-up and warm-up).
+Every configuration trains examples/gpt.py on this machine: plain single-process training, then a 2-stage swarm
+(one serve-only peer per stage and a drive-only trainer, 8-bit compression) with synchronous or delayed stage
+updates and 1 or 4 microbatches in flight. Each process gets one torch thread. Throughput is measured over the
+second half of the trainer's steps (after start-up and warm-up). The ideal pipeline throughput is the slowest
+stage's: each stage's forward and backward, timed alone in a process of its own in the same run.
 
     python benchmarks/swarm_throughput.py            # writes benchmarks/RESULTS.md
     python benchmarks/swarm_throughput.py --smoke    # seconds-long check that the script works
@@ -15,10 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -27,7 +32,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from lightning_swarm.launch import LocalSwarm  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from report import RESULTS, machine, table, update_section  # noqa: E402
+from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HIVEMIND_LOGLEVEL": "ERROR", "PYTHONWARNINGS": "ignore"}
 STAGES = 2
@@ -41,7 +46,7 @@ SWARM = {
 }
 VARIANTS = [  # (label, delayed updates, microbatches)
     ("synchronous, 1 microbatch", False, 1),
-    ("delayed, 1 microbatch", True, 1),
+    ("synchronous, 4 microbatches", False, 4),
     ("delayed, 4 microbatches", True, 4),
 ]
 
@@ -60,6 +65,13 @@ def steady_throughput(history: dict) -> float:
     return (len(times) - 1 - half) * history["samples"] / len(times) / (times[-1] - times[half])
 
 
+def steady_call_seconds(history: dict) -> list[float]:
+    """Seconds per step the trainer spent in calls to each stage, over the second half of the steps."""
+    calls = history["call_seconds"]
+    half = len(calls) // 2
+    return [(calls[-1].get(str(k), 0) - calls[half].get(str(k), 0)) / (len(calls) - 1 - half) for k in range(STAGES)]
+
+
 def plain(args: list[str], work: Path) -> dict:
     out = work / "plain.json"
     command = [sys.executable, GPT, "--single", *args, "--history", str(out)]
@@ -67,22 +79,68 @@ def plain(args: list[str], work: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def swarm(args: list[str], work: Path, run_id: str, delayed: bool, microbatches: int) -> dict:
+def swarm(
+    args: list[str], work: Path, run_id: str, delayed: bool, microbatches: int, env: Optional[dict] = None
+) -> dict:
+    """Train with a 2-stage swarm; the trainer's history, plus each stage peer's peak RSS (``stage_peak_rss``)."""
     out = work / f"{run_id}.json"
-    env = {**SWARM, "SWARM_DELAYED_UPDATES": str(delayed), "SWARM_MICROBATCHES": str(microbatches)}
+    env = {**SWARM, "SWARM_DELAYED_UPDATES": str(delayed), "SWARM_MICROBATCHES": str(microbatches), **(env or {})}
     with LocalSwarm([GPT], work / run_id, run_id=run_id, env=ONE_THREAD) as local:
         for stage in range(STAGES):
             local.start(f"stage{stage}", args, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": str(stage)})
         local.start("trainer", [*args, "--history", str(out)], env={**env, "SWARM_ROLE": "drive"})
         if local.wait("trainer", timeout=900) != 0:
             raise RuntimeError(local.peers["trainer"].log()[-3000:])
-    return json.loads(out.read_text())
+        peaks = [peak_rss(local.peers[f"stage{stage}"].process.pid) for stage in range(STAGES)]
+    return {**json.loads(out.read_text()), "stage_peak_rss": peaks}
+
+
+def peak_rss(pid: int) -> int:
+    """A live process's peak resident memory in bytes (Linux: VmHWM)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+
+
+def stages_alone(args: list[str]) -> list[float]:
+    """Each stage's training throughput (samples/s of forward and backward) timed alone, one thread, in a fresh
+    process: the ideal a pipeline of these stages can reach is the slowest one's."""
+    command = [sys.executable, __file__, "--time-stages", *args]
+    done = subprocess.run(command, check=True, timeout=900, env={**os.environ, **ONE_THREAD}, capture_output=True)
+    return json.loads(done.stdout.decode().strip().splitlines()[-1])
+
+
+def time_stages(argv: list[str]) -> None:
+    """``--time-stages``: print each stage's samples/s as JSON (runs in its own process)."""
+    import torch
+    from gpt import GPT as Model
+
+    from lightning_swarm import partitioning
+
+    parser = argparse.ArgumentParser()
+    for name in ("--d-model", "--n-layer", "--n-head", "--block-size", "--batch-size", "--max-steps"):
+        parser.add_argument(name, type=int)
+    a = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    model = Model(96, a.block_size, a.d_model, a.n_layer, a.n_head)
+    spans = partitioning.balance_by_parameters(list(model.blocks), STAGES)
+    rates = []
+    for span in spans:
+        stage = partitioning.stage_module(model.blocks, span)
+        x = torch.randn(a.batch_size, a.block_size, a.d_model, requires_grad=True)
+        grad = torch.randn_like(x)
+        timings = []
+        for _ in range(max(3, min(10, a.max_steps // 4))):
+            start = time.perf_counter()
+            torch.autograd.grad(stage(x), [x, *stage.parameters()], grad)
+            timings.append(time.perf_counter() - start)
+        rates.append(a.batch_size / sorted(timings[1:])[len(timings[1:]) // 2])  # median, after a warm-up
+    print(json.dumps(rates))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and a few steps, to check the script")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[128, 256, 512], help="hidden sizes (d_model)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[128, 256, 512, 1024], help="hidden sizes (d_model)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=64)
@@ -96,39 +154,65 @@ def main() -> None:
         work = Path(tmp)
         for d_model in sizes:
             args = model_args(d_model, steps, a.batch_size, a.block_size)
-            ideal = steady_throughput(plain(args, work))
-            row = {"d_model": d_model, "plain": ideal}
+            reference = plain(args, work)
+            row = {"d_model": d_model, "plain": steady_throughput(reference), "plain_peak_rss": reference["peak_rss"]}
+            row["stages_alone"] = stages_alone(args)
+            ideal = min(row["stages_alone"])
+            activation = a.batch_size * a.block_size * d_model * 4  # fp32 bytes at one boundary, per batch
             for label, delayed, microbatches in variants:
-                run_id = f"bench{d_model}_{int(delayed)}_{microbatches}"
-                history = swarm(args, work, run_id, delayed, microbatches)
+                history = swarm(args, work, f"bench{d_model}_{int(delayed)}_{microbatches}", delayed, microbatches)
                 row[label] = steady_throughput(history)
-                activation = a.batch_size * a.block_size * d_model * 4  # fp32 bytes at one boundary, per batch
                 row[f"{label} bytes"] = history["bytes_sent"] / history["steps"] / (2 * activation * (STAGES - 1))
+                row[f"{label} call_seconds"] = steady_call_seconds(history)
+                row[f"{label} peak_rss"] = [history["peak_rss"], *history["stage_peak_rss"]]
+                row[f"{label} recomputed"] = history["recomputed"]
                 print(
-                    f"d_model {d_model:4d} | {label:26s} | {row[label]:7.1f} samples/s "
-                    f"(plain {ideal:7.1f}, ratio {row[label] / ideal:.3f})",
+                    f"d_model {d_model:4d} | {label:28s} | {row[label]:7.1f} samples/s, efficiency "
+                    f"{row[label] / ideal:.3f} (slowest stage alone {ideal:.1f}/s, plain {row['plain']:.1f}/s)",
                     flush=True,
                 )
             rows.append(row)
     write(rows, variants, Path(a.out), smoke=a.smoke, steps=steps, batch=a.batch_size, block=a.block_size)
+    if not a.smoke:
+        save_data("swarm_throughput", rows)
 
 
 def write(rows: list[dict], variants: list, path: Path, smoke: bool, steps: int, batch: int, block: int) -> None:
     labels = [label for label, *_ in variants]
+    sync = labels[0]
+    mib = 2**20
     lines = [
-        "## Swarm throughput",
+        "## Swarm throughput: the square-cube law on this machine",
         "",
         f"`python benchmarks/swarm_throughput.py`{' --smoke' if smoke else ''}, {machine()}; GPT with 4 blocks, "
         f"batch {batch}, block {block}, {steps} steps, 8-bit compression, {STAGES} stages, one torch thread per "
         "process, all processes on this machine (loopback).",
         "",
-        "### Throughput, as a ratio of plain single-process training measured in the same run",
+        "### Pipeline efficiency: swarm throughput / the slowest stage's throughput alone (same run)",
         "",
         *table(
-            ["d_model", "plain (samples/s)", *labels],
+            ["d_model", "stages alone (samples/s)", "plain (samples/s)", *labels],
             [
-                [str(row["d_model"]), f"{row['plain']:.1f}"]
-                + [f"{row[label] / row['plain']:.3f} ({row[label]:.1f}/s)" for label in labels]
+                [str(row["d_model"]), " / ".join(f"{r:.1f}" for r in row["stages_alone"]), f"{row['plain']:.1f}"]
+                + [f"{row[label] / min(row['stages_alone']):.3f} ({row[label]:.1f}/s)" for label in labels]
+                for row in rows
+            ],
+        ),
+        "",
+        f"### Compute / communication per stage ({sync})",
+        "",
+        "Compute: the stage's forward and backward for one batch, timed alone. Communication: the trainer's time in "
+        "calls to that stage per batch, less that compute (encoding, transfer, queueing, decoding).",
+        "",
+        *table(
+            ["d_model", *(f"stage {k}: compute ms / comm ms (ratio)" for k in range(STAGES))],
+            [
+                [str(row["d_model"])]
+                + [
+                    f"{1e3 * batch / rate:.1f} / {1e3 * max(call - batch / rate, 0):.1f} "
+                    f"({(batch / rate) / max(call - batch / rate, 1e-9):.2f})"
+                    for rate, call in zip(row["stages_alone"], row[f"{sync} call_seconds"])
+                ]
                 for row in rows
             ],
         ),
@@ -141,9 +225,23 @@ def write(rows: list[dict], variants: list, path: Path, smoke: bool, steps: int,
             ["d_model", *labels],
             [[str(row["d_model"])] + [f"{row[f'{label} bytes']:.2f}" for label in labels] for row in rows],
         ),
+        "",
+        f"### Peak memory (RSS, MiB): plain training of the full model against the swarm's peers ({labels[-1]})",
+        "",
+        *table(
+            ["d_model", "plain (full model)", "trainer (local parts)", *(f"stage {k} peer" for k in range(STAGES))],
+            [
+                [str(row["d_model"]), f"{row['plain_peak_rss'] / mib:.0f}"]
+                + [f"{rss / mib:.0f}" for rss in row[f"{labels[-1]} peak_rss"]]
+                for row in rows
+            ],
+        ),
     ]
     update_section("swarm_throughput", lines, path)
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--time-stages"]:
+        time_stages(sys.argv[2:])
+    else:
+        main()

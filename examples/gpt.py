@@ -9,6 +9,7 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
 import time
 from typing import Optional
 
@@ -200,11 +201,14 @@ class History(L.Callback):
         self.losses: list[float] = []
         self.val_losses: list[float] = []
         self.times: list[float] = []  # when each step ended, to measure steady-state throughput
+        self.call_seconds: list[dict] = []  # after each step: seconds spent so far in calls to each stage
         self.samples, self.start = 0, time.time()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
         self.times.append(time.time())
+        router = getattr(trainer.strategy, "router", None)
+        self.call_seconds.append(dict(router.stats.seconds) if router else {})
         self.samples += len(batch[0])
         if self.path and len(self.losses) % self.every == 0:
             self.write(trainer)
@@ -236,6 +240,9 @@ class History(L.Callback):
             calls_per_peer=router.stats.chosen if router else {},
             failed_calls_per_peer=router.stats.failed if router else {},
             bytes_sent=router.stats.bytes_sent if router else 0,
+            call_seconds=self.call_seconds,
+            recomputed=router.stats.recomputed if router else 0,
+            peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         )
         with open(self.path + ".tmp", "w") as f:
             json.dump(summary, f)

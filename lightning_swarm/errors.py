@@ -11,3 +11,8 @@ class StageBusyError(RuntimeError):
 
 class StageUnavailableError(RuntimeError):
     """No live peer of a stage answered within the allowed retries."""
+
+
+class ActivationsLostError(RuntimeError):
+    """The stage server no longer holds the activations of a forward pass (evicted, expired or never kept): the
+    caller sends the stage's input again so that the forward is recomputed."""

@@ -7,6 +7,7 @@ gradients until the peers sharing it (the peers of that stage, or all trainers) 
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from functools import partial
 from typing import Any, Iterable, Optional
@@ -16,6 +17,7 @@ import torch
 from hivemind.dht import DHT
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
+from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.performance_ema import PerformanceEMA
 
 
@@ -102,6 +104,24 @@ class CountingProgressTracker(ProgressTracker):
         return super().ready_to_update_epoch or counted >= self.target_batch_size
 
 
+class ConsistentStateAverager(TrainingStateAverager):
+    """hivemind's state averager, made to hand out a state that matches the epoch it is labelled with.
+
+    hivemind raises a peer's epoch when it schedules a step, then runs the step in a background thread (all of it
+    with delayed updates, the optimizer part otherwise), and serves its state to downloading peers without waiting
+    for that step or locking the optimizer: a peer catching up could get the previous step's parameters, or a mix
+    of both, labelled with the new epoch, and stay one step apart from the others for good. Here the state is read
+    once the pending step finished, under the optimizer's lock.
+    """
+
+    def get_current_state(self):
+        for update in list(self.pending_updates):
+            with contextlib.suppress(BaseException):  # a failed or cancelled step leaves the state as it was
+                update.result(timeout=self._allreduce_timeout)
+        with self.lock_optimizer:
+            return super().get_current_state()
+
+
 class SwarmOptimizer(hivemind.Optimizer):
     """``hivemind.Optimizer`` that counts samples exactly (see ``CountingProgressTracker``), can follow the swarm
     while it has no work, and counts its steps and gradient all-reduces."""
@@ -118,6 +138,23 @@ class SwarmOptimizer(hivemind.Optimizer):
             target_batch_size=target_batch_size,
             client_mode=self.client_mode,
             status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
+
+    def _make_state_averager(self, **kwargs: Any) -> TrainingStateAverager:
+        return ConsistentStateAverager(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
             start=True,
             **kwargs,
         )

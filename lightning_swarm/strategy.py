@@ -83,6 +83,13 @@ class SwarmStrategy(Strategy):
         microbatches: a training batch is split into this many microbatches that travel through the stages
             concurrently, so that one trainer keeps several stages busy (loss and gradients equal the unsplit
             batch's). Uses the largest divisor of the batch size not above it. Default 1.
+        checkpoint_activations: a stage server keeps only each block's input from a training forward and
+            recomputes the block in backward (activation checkpointing): memory stays flat with many microbatches in
+            flight, for about one more forward of compute. Default False.
+        max_activation_bytes: memory a stage server spends on keeping training forwards' activations until their
+            backward arrives, so that backward computes no forward again. Beyond it (or after
+            ``activation_timeout`` seconds) the oldest are dropped and their backward recomputes. Default 1 GiB.
+        activation_timeout: seconds a stage server keeps a forward's activations. Default 120.
         host_maddrs: multiaddrs to listen on. Default: loopback only; use ``/ip4/0.0.0.0/tcp/<port>`` to accept
             peers from other machines.
         announce_maddrs: multiaddrs other peers should dial (e.g. a public IP), when they differ from host_maddrs.
@@ -116,6 +123,9 @@ class SwarmStrategy(Strategy):
         compression: Optional[Codec] = None,
         delayed_updates: Optional[bool] = None,
         microbatches: Optional[int] = None,
+        checkpoint_activations: Optional[bool] = None,
+        max_activation_bytes: Optional[int] = None,
+        activation_timeout: Optional[float] = None,
         host_maddrs: Optional[Union[str, list[str]]] = None,
         announce_maddrs: Optional[Union[str, list[str]]] = None,
         identity_path: Optional[str] = None,
@@ -152,6 +162,9 @@ class SwarmStrategy(Strategy):
         self.microbatches = _setting("microbatches", microbatches, int, 1)
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be at least 1, got {self.microbatches}")
+        self.checkpoint_activations = _setting("checkpoint_activations", checkpoint_activations, _flag, False)
+        self.max_activation_bytes = _setting("max_activation_bytes", max_activation_bytes, int, 2**30)
+        self.activation_timeout = _setting("activation_timeout", activation_timeout, float, 120.0)
         self.host_maddrs = _setting("host_maddrs", host_maddrs, _as_list, list(LOOPBACK_MADDRS))
         self.announce_maddrs = _setting("announce_maddrs", announce_maddrs, _as_list, [])
         self.identity_path = _setting("identity_path", identity_path, str, None)
@@ -424,6 +437,9 @@ class SwarmStrategy(Strategy):
             describe=optimizer.progress if optimizer is not None else None,
             max_queue=self.max_queue,
             max_request_bytes=self.max_request_bytes,
+            max_activation_bytes=self.max_activation_bytes,
+            activation_timeout=self.activation_timeout,
+            checkpoint_activations=self.checkpoint_activations,
         )
         self._announcer = self._make_announcer()
         self._announcer.announce(self._record(PeerState.JOINING))

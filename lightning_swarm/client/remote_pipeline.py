@@ -1,9 +1,10 @@
 """The remote pipeline: an ``nn.Module`` that stands in for the LightningModule's pipeline attribute.
 
 Its forward sends the activations through one peer per stage, and its backward sends their gradients back the
-same way, so the user's ``training_step`` and loss code run unchanged. The input of every stage is kept on the
-caller, which lets backward go to the peer that ran the forward or, if that one died, to any other peer of the
-stage (the server recomputes the stage's forward from that input).
+same way, so the user's ``training_step`` and loss code run unchanged. Backward goes to the peer that ran the
+forward with the output gradient alone: that peer kept the forward's graph. The input of every stage is also kept
+on the caller: if that peer died or dropped the graph, the input goes with the gradient to any peer of the stage,
+which recomputes the stage's forward from it.
 
 A batch is split into equal microbatches that travel through the stages concurrently (each on its own route), so
 that one trainer keeps several stages busy at once. Outputs and input gradients are concatenated back, so the loss
@@ -13,7 +14,10 @@ mean loss, which is what the stage optimizers accumulate, and the returned gradi
 
 from __future__ import annotations
 
+import logging
+import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
 import torch
@@ -21,9 +25,20 @@ from torch import nn
 
 from lightning_swarm import compression
 from lightning_swarm.client.routing import StageRouter
+from lightning_swarm.errors import ActivationsLostError, SwarmRequestError
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
-Route = tuple[list[torch.Tensor], list[str]]  # a microbatch's input to every stage, and the peer that served it
+
+
+@dataclass
+class Route:
+    """A microbatch's way through the stages: each stage's input, the peer that ran it, and the key under which
+    that peer keeps the forward's graph."""
+
+    inputs: list[torch.Tensor]
+    peers: list[str]
+    keys: list[str]
 
 
 class RemotePipeline(nn.Module):
@@ -53,9 +68,11 @@ class RemotePipeline(nn.Module):
         anchor = self._grad_anchor.detach().requires_grad_()
         return _RemoteStages.apply(self, anchor, inputs)
 
-    def run_forward(self, inputs: torch.Tensor) -> tuple[torch.Tensor, list[Route]]:
-        """Forward through every stage, microbatches concurrently; returns the output and each microbatch's route."""
-        results = self._map(self._forward_route, self._split(inputs.detach()))
+    def run_forward(self, inputs: torch.Tensor, keep: bool = False) -> tuple[torch.Tensor, list[Route]]:
+        """Forward through every stage, microbatches concurrently; returns the output and each microbatch's route.
+        ``keep``: the peers keep the forward's graph for the backward that follows."""
+        microbatches = self._split(inputs.detach())
+        results = self._map(self._forward_route, microbatches, [keep] * len(microbatches))
         return torch.cat([output for output, _ in results]).to(inputs.device), [route for _, route in results]
 
     def run_backward(self, grad_outputs: torch.Tensor, routes: list[Route]) -> torch.Tensor:
@@ -78,34 +95,63 @@ class RemotePipeline(nn.Module):
             return list(map(fn, *iterables))
         return list(self._pool.map(fn, *iterables))
 
-    def _forward_route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Route]:
-        stage_inputs, peers = [], []
+    def _forward_route(self, hidden: torch.Tensor, keep: bool = False) -> tuple[torch.Tensor, Route]:
+        route = Route([], [], [])
         for stage in range(self.num_stages):
-            stage_inputs.append(hidden)
-            hidden, peer = self._call(stage, "forward", [hidden])
-            peers.append(peer)
-        return hidden, (stage_inputs, peers)
+            key = uuid.uuid4().hex if keep else None
+            route.inputs.append(hidden)
+            hidden, peer = self._call(stage, "forward", [hidden], keep=key)
+            route.peers.append(peer)
+            route.keys.append(key)
+        return hidden, route
 
     def _backward_route(self, grad: torch.Tensor, route: Route) -> torch.Tensor:
-        stage_inputs, peers = route
         for stage in reversed(range(self.num_stages)):
-            grad, _ = self._call(stage, "backward", [stage_inputs[stage], grad], prefer=peers[stage])
+            grad = self._backward_stage(stage, grad, route)
+        return grad
+
+    def _backward_stage(self, stage: int, grad: torch.Tensor, route: Route) -> torch.Tensor:
+        """Backward on the peer that kept the forward; else recompute on a peer of the stage from the input."""
+        peer, failed = route.peers[stage], False
+        if route.keys[stage] is not None:
+            try:
+                return self._call(stage, "backward", [grad], prefer=peer, failover=False, kept=route.keys[stage])[0]
+            except SwarmRequestError:
+                raise
+            except ActivationsLostError:
+                pass  # that peer is alive but dropped the graph: let it recompute
+            except Exception as e:
+                log.warning("Stage %d: backward on %s failed (%r): recomputing on another peer", stage, peer, e)
+                peer, failed = None, True
+            self.router.stats.recomputed += 1
+        grad, _ = self._call(stage, "backward", [route.inputs[stage], grad], prefer=peer)
+        self.router.stats.failovers += failed
         return grad
 
     def _call(
-        self, stage: int, method: str, tensors: list[torch.Tensor], prefer: Optional[str] = None
+        self,
+        stage: int,
+        method: str,
+        tensors: list[torch.Tensor],
+        prefer: Optional[str] = None,
+        failover: bool = True,
+        **metadata: Optional[str],
     ) -> tuple[torch.Tensor, str]:
+        """Encode, call ``method`` of ``stage`` (only on ``prefer`` without failover), decode the reply."""
         messages = [compression.serialize(t, self.codec) for t in tensors]
-        metadata = {"codec": self.codec, "train": self.training}
+        metadata = {"codec": self.codec, "train": self.training, **metadata}
         batch = int(tensors[0].shape[0]) if tensors[0].ndim else 1
-        reply, peer = self.router.call(stage, method, messages, metadata, batch, prefer=prefer)
+        if failover:
+            reply, peer = self.router.call(stage, method, messages, metadata, batch, prefer=prefer)
+        else:
+            reply, peer = self.router.call_peer(stage, prefer, method, messages, metadata, batch), prefer
         return compression.deserialize(reply[0]), peer
 
 
 class _RemoteStages(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pipeline: RemotePipeline, anchor: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-        outputs, routes = pipeline.run_forward(inputs)
+        outputs, routes = pipeline.run_forward(inputs, keep=True)
         ctx.pipeline, ctx.routes = pipeline, routes
         ctx.input_device, ctx.input_dtype = inputs.device, inputs.dtype
         return outputs

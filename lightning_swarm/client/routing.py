@@ -28,7 +28,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 
 from lightning_swarm import compression, discovery, protocol
 from lightning_swarm.discovery import PeerRecord, PeerState
-from lightning_swarm.errors import StageBusyError, StageUnavailableError, SwarmRequestError
+from lightning_swarm.errors import ActivationsLostError, StageBusyError, StageUnavailableError, SwarmRequestError
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.server.stage_server import StageServer, stage_uid
 
@@ -59,7 +59,9 @@ class PeerLoad:
 class RouterStats:
     calls: int = 0
     failovers: int = 0
+    recomputed: int = 0  # backward passes sent with the input again, because the forward's graph was not kept
     bytes_sent: int = 0
+    seconds: dict = field(default_factory=dict)  # stage -> seconds spent in successful calls to it
     chosen: dict = field(default_factory=dict)  # peer id -> number of calls sent there
     failed: dict = field(default_factory=dict)  # peer id -> number of those calls that failed
 
@@ -150,25 +152,33 @@ class StageRouter:
                 tried.clear()
                 continue
             try:
-                reply = self._call_peer(stage, peer, method, tensors, metadata, batch)
+                reply = self.call_peer(stage, peer, method, tensors, metadata, batch)
                 if attempt > 0 and last_error is not None:
                     self.stats.failovers += 1
                 return reply, peer
-            except SwarmRequestError:
+            except (SwarmRequestError, ActivationsLostError):
                 raise
-            except StageBusyError as e:
-                last_error = e
-                tried.append(peer)
             except Exception as e:
                 last_error = e
                 tried.append(peer)
-                self.stats.failed[peer] = self.stats.failed.get(peer, 0) + 1
-                self._ban(stage, peer)
-                log.warning("Stage %d: peer %s failed (%r); retrying on another peer", stage, peer, e)
         raise StageUnavailableError(
             f"Stage {stage} of run {self.run_id!r} has no live peer: {self.max_retries + 1} attempts failed "
             f"(peers tried: {tried or 'none found'}; last error: {last_error!r})"
         )
+
+    def call_peer(
+        self, stage: int, peer: str, method: str, tensors: list, metadata: dict, batch: int
+    ) -> list[runtime_pb2.Tensor]:
+        """One attempt on one peer. A peer that fails other than by refusing the request is banned for a while."""
+        try:
+            return self._call_peer(stage, peer, method, tensors, metadata, batch)
+        except (SwarmRequestError, ActivationsLostError, StageBusyError):
+            raise
+        except Exception as e:
+            self.stats.failed[peer] = self.stats.failed.get(peer, 0) + 1
+            self._ban(stage, peer)
+            log.warning("Stage %d: peer %s failed (%r)", stage, peer, e)
+            raise
 
     def _call_peer(
         self, stage: int, peer: str, method: str, tensors: list, metadata: dict, batch: int
@@ -191,6 +201,7 @@ class StageRouter:
                     load.in_flight -= batch
         elapsed = time.perf_counter() - start
         with self._lock:
+            self.stats.seconds[stage] = self.stats.seconds.get(stage, 0.0) + elapsed
             if load is not None:
                 measured, now = batch / max(elapsed, 1e-6), time.monotonic()
                 previous = load.known_throughput(now, self.remeasure_after) or measured
@@ -248,8 +259,7 @@ class StageRouter:
 def _remote_error(error: P2PHandlerError) -> Exception:
     """Turn a remote handler's error back into the kind the server raised."""
     message = str(error)
-    if SwarmRequestError.__name__ in message:
-        return SwarmRequestError(message)
-    if StageBusyError.__name__ in message:
-        return StageBusyError(message)
+    for kind in (SwarmRequestError, StageBusyError, ActivationsLostError):
+        if kind.__name__ in message:
+            return kind(message)
     return error

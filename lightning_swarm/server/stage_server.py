@@ -1,9 +1,12 @@
 """The stage server: answers forward and backward requests for the stage this peer serves (SWARM section 2).
 
 Requests arrive over hivemind's libp2p RPC, are validated, and wait in a bounded queue for one compute worker
-thread that owns the stage module on the accelerator's device. Backward recomputes the stage's forward from the
-input it is sent (so any peer of the stage can serve it), hands the parameter gradients to the stage optimizer
-(which accumulates them towards the stage's target batch size) and returns the gradient of the input.
+thread that owns the stage module on the accelerator's device. A training forward keeps its autograd graph for a
+while (:mod:`~lightning_swarm.server.kept_activations`), so that the backward that follows on this peer needs
+only the output gradient and computes no forward again. A backward sent with the stage's input instead recomputes
+the forward from it, so any peer of the stage can serve it (the fallback when the first peer died or dropped the
+graph). Backward hands the parameter gradients to the stage optimizer (which accumulates them towards the
+stage's target batch size) and returns the gradient of the input.
 A request that fails validation or computation leaves the stage's parameters and accumulated gradients untouched.
 """
 
@@ -23,9 +26,11 @@ from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils.performance_ema import PerformanceEMA
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_swarm import compression, protocol
-from lightning_swarm.errors import StageBusyError, SwarmRequestError
+from lightning_swarm.errors import ActivationsLostError, StageBusyError, SwarmRequestError
+from lightning_swarm.server.kept_activations import Kept, KeptActivations, counting_saved_bytes
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +51,11 @@ class StageServer(ServicerBase):
         describe: more entries for ``info()`` (e.g. the stage optimizer's progress).
         max_queue: requests waiting for the worker; further requests are answered "busy".
         max_request_bytes: requests with more tensor bytes are refused before they are decoded.
+        max_activation_bytes: memory for the graphs of training forwards awaiting their backward (what autograd
+            saved; the oldest are dropped first, and their backward recomputes).
+        activation_timeout: seconds such a graph is kept at most.
+        checkpoint_activations: keep only each block's input and recompute the block in backward (activation
+            checkpointing), so that many microbatches in flight cost little memory.
     """
 
     def __init__(
@@ -60,11 +70,15 @@ class StageServer(ServicerBase):
         describe: Optional[Callable[[], dict]] = None,
         max_queue: int = 64,
         max_request_bytes: int = 256 * 2**20,
+        max_activation_bytes: int = 2**30,
+        activation_timeout: float = 120.0,
+        checkpoint_activations: bool = False,
     ) -> None:
         self.run_id, self.stage, self.uid = run_id, stage, stage_uid(run_id, stage)
         self.module, self.device, self.on_backward = module, device, on_backward
         self.on_idle, self.idle_period, self.describe = on_idle, idle_period, describe
-        self.max_request_bytes = max_request_bytes
+        self.max_request_bytes, self.checkpoint_activations = max_request_bytes, checkpoint_activations
+        self.kept = KeptActivations(max_activation_bytes, activation_timeout)
         self.params = [p for p in module.parameters() if p.requires_grad]
         floating = [p.dtype for p in module.parameters() if p.is_floating_point()]
         self.dtype = floating[0] if floating else torch.get_default_dtype()
@@ -102,7 +116,7 @@ class StageServer(ServicerBase):
         try:
             request = await protocol.gather_request(requests, self.max_request_bytes)
             response = await self.answer(kind, request, context.remote_id)
-        except (SwarmRequestError, StageBusyError) as e:
+        except (SwarmRequestError, StageBusyError, ActivationsLostError) as e:
             raise type(e)(repr(e)) from None  # hivemind sends str(e) on streams: keep the class name for callers
         for part in protocol.stream_response(response):
             yield part
@@ -118,6 +132,7 @@ class StageServer(ServicerBase):
             queued_samples=self._queued_samples,
             throughput=self.throughput.samples_per_second if self.throughput.num_updates else 0.0,
             backward_samples=self.backward_samples,
+            kept_bytes=self.kept.nbytes,
             **(self.describe() if self.describe is not None else {}),
         )
 
@@ -144,13 +159,19 @@ class StageServer(ServicerBase):
             codec = str(metadata.get("codec", "none"))
             if codec not in compression.CODECS:
                 raise SwarmRequestError(f"unknown compression {codec!r}")
-            expected = 1 if kind == "forward" else 2
+            key = metadata.get("keep" if kind == "forward" else "kept")
+            if key is not None and not (isinstance(key, str) and 0 < len(key) <= 64):
+                raise SwarmRequestError("a kept forward's key must be a string of 1 to 64 characters")
+            expected = 1 if kind == "forward" or key is not None else 2
             if len(request.tensors) != expected:
                 raise SwarmRequestError(f"{kind} expects {expected} tensor(s), got {len(request.tensors)}")
             tensors = [self._decode(t) for t in request.tensors]
             batch = int(tensors[0].shape[0]) if tensors[0].ndim else 1
-            future = self._submit(kind, tensors, bool(metadata.get("train", True)), batch)
+            train = bool(metadata.get("train", True))
+            future = self._submit(kind, tensors, train, batch, None if key is None else (str(caller), key))
             output = await asyncio.wrap_future(future)
+        except ActivationsLostError:
+            raise
         except Exception as e:
             log.warning("Stage %d refused a %s request from %s: %r", self.stage, kind, caller, e)
             raise
@@ -178,10 +199,12 @@ class StageServer(ServicerBase):
             raise SwarmRequestError("tensor contains NaN or Inf")
         return tensor
 
-    def _submit(self, kind: str, tensors: list[torch.Tensor], train: bool, batch: int) -> Future:
+    def _submit(
+        self, kind: str, tensors: list[torch.Tensor], train: bool, batch: int, key: Optional[tuple[str, str]]
+    ) -> Future:
         future: Future = Future()
         try:
-            self._tasks.put_nowait((kind, tensors, train, batch, future))
+            self._tasks.put_nowait((kind, tensors, train, batch, key, future))
         except queue.Full:
             raise StageBusyError(f"stage {self.stage} is busy ({self._tasks.maxsize} requests queued)") from None
         self._queued_samples += batch
@@ -192,20 +215,22 @@ class StageServer(ServicerBase):
             try:
                 task = self._tasks.get(timeout=self.idle_period)
             except queue.Empty:
+                self.kept.expire()
                 self._idle()
                 continue
             if task is None:
                 return
-            kind, tensors, train, batch, future = task
+            kind, tensors, train, batch, key, future = task
             self._queued_samples -= batch
+            self.kept.expire()
             if not future.set_running_or_notify_cancel():
                 continue
             start = time.perf_counter()
             try:
                 with self.lock:
                     self.module.train(train)
-                    output = self._forward(*tensors) if kind == "forward" else self._backward(*tensors)
-            except SwarmRequestError as e:
+                    output = self._compute(kind, tensors, key)
+            except (SwarmRequestError, ActivationsLostError) as e:
                 future.set_exception(e)
             except Exception as e:  # a failing module call is the request's fault (shape, content), not ours
                 future.set_exception(SwarmRequestError(f"stage {self.stage} {kind} failed: {e!r}"))
@@ -222,14 +247,52 @@ class StageServer(ServicerBase):
         except Exception as e:  # the next idle period tries again; requests must keep being served
             log.warning("Stage %d: idle-time work failed: %r", self.stage, e)
 
+    def _compute(self, kind: str, tensors: list[torch.Tensor], key: Optional[tuple[str, str]]) -> torch.Tensor:
+        if kind == "forward":
+            return self._forward(tensors[0]) if key is None else self._forward_and_keep(tensors[0], key)
+        return self._backward(*tensors) if key is None else self._backward_kept(key, tensors[0])
+
     @torch.no_grad()
     def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.module(inputs.to(self.device)).cpu()
 
+    def _forward_and_keep(self, inputs: torch.Tensor, key: tuple[str, str]) -> torch.Tensor:
+        inputs = inputs.to(self.device).requires_grad_()
+        with torch.enable_grad(), counting_saved_bytes(self.params) as saved:
+            outputs = self._run(inputs)
+        self.kept.put(key, Kept(inputs, outputs, saved[0], self._params_version()))
+        return outputs.detach().cpu()
+
+    def _run(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The stage's forward with autograd on, block by block under checkpointing if that is on."""
+        if not self.checkpoint_activations:
+            return self.module(inputs)
+        hidden = inputs
+        for block in self.module.children() if isinstance(self.module, nn.Sequential) else [self.module]:
+            hidden = checkpoint(block, hidden, use_reentrant=False)
+        return hidden
+
+    def _params_version(self) -> int:
+        return sum(p._version for p in self.params)
+
+    def _backward_kept(self, key: tuple[str, str], grad_outputs: torch.Tensor) -> torch.Tensor:
+        kept = self.kept.pop(key)
+        if kept is None:
+            raise ActivationsLostError(f"stage {self.stage} no longer holds this forward's activations")
+        if kept.params_version != self._params_version():
+            # the stage stepped since this forward: autograd refuses a graph whose saved parameters changed
+            return self._backward(kept.inputs.detach(), grad_outputs)
+        return self._backward_through(kept.inputs, kept.outputs, grad_outputs)
+
     def _backward(self, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> torch.Tensor:
         inputs = inputs.to(self.device).requires_grad_()
         with torch.enable_grad():
-            outputs = self.module(inputs)
+            outputs = self._run(inputs)
+        return self._backward_through(inputs, outputs, grad_outputs)
+
+    def _backward_through(
+        self, inputs: torch.Tensor, outputs: torch.Tensor, grad_outputs: torch.Tensor
+    ) -> torch.Tensor:
         if grad_outputs.shape != outputs.shape:
             raise SwarmRequestError(
                 f"gradient of shape {list(grad_outputs.shape)} does not match the output {list(outputs.shape)}"
@@ -258,3 +321,4 @@ class StageServer(ServicerBase):
             future.set_exception(StageBusyError(f"stage {self.stage} is shutting down"))
         self._tasks.put(None)
         self._worker.join(timeout=30)
+        self.kept.clear()

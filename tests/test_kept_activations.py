@@ -1,0 +1,129 @@
+"""Backward without recomputation: a stage server keeps a training forward's graph for the backward that follows,
+bounded in memory and time, and falls back to recomputing from the input. Gradients must equal plain autograd's."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+from torch import nn
+
+from lightning_swarm import compression, protocol
+from lightning_swarm.errors import ActivationsLostError
+from lightning_swarm.server.stage_server import StageServer
+
+
+def blocks() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)))
+
+
+def ask(server: StageServer, kind: str, tensors: list[torch.Tensor], **metadata: str) -> torch.Tensor:
+    request = runtime_pb2.ExpertRequest(
+        uid=server.uid,
+        tensors=[compression.serialize(t, "none") for t in tensors],
+        metadata=protocol.encode_metadata({"codec": "none", **metadata}),
+    )
+    response = asyncio.run(server.answer(kind, request))
+    return compression.deserialize(response.tensors[0])
+
+
+def plain_gradients(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+    x = x.clone().requires_grad_()
+    return list(torch.autograd.grad(module(x), [x, *module.parameters()], g))
+
+
+def served_gradients(server: StageServer, grad_input: torch.Tensor) -> list[torch.Tensor]:
+    return [grad_input, *(p.grad.clone() for p in server.params)]
+
+
+@pytest.fixture
+def make_server():
+    servers = []
+
+    def make(**kwargs) -> StageServer:
+        servers.append(StageServer("run", 0, blocks(), torch.device("cpu"), **kwargs))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_kept_backward_equals_plain_autograd_and_recomputation(make_server, checkpointing):
+    server = make_server(checkpoint_activations=checkpointing)
+    x, g = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
+    expected = plain_gradients(blocks(), x, g)
+
+    out = ask(server, "forward", [x], keep="k1")
+    assert torch.equal(out, blocks()(x).detach())
+    assert server.kept.nbytes > 0 and len(server.kept) == 1
+    kept = served_gradients(server, ask(server, "backward", [g], kept="k1"))
+    assert server.kept.nbytes == 0 and len(server.kept) == 0
+    recomputed = served_gradients(server, ask(server, "backward", [x, g]))
+    for a, b, c in zip(expected, kept, recomputed):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-7)
+    assert server.backward_samples == 8
+    with pytest.raises(ActivationsLostError):  # a kept forward serves one backward only
+        ask(server, "backward", [g], kept="k1")
+
+
+def test_checkpointing_keeps_less(make_server):
+    x = torch.randn(4, 8, 16)
+    full, checkpointed = make_server(), make_server(checkpoint_activations=True)
+    ask(full, "forward", [x], keep="a")
+    ask(checkpointed, "forward", [x], keep="a")
+    # three blocks: without checkpointing each keeps its 64-wide hidden activations; with it, only block inputs
+    assert checkpointed.kept.nbytes <= 3 * x.nbytes < full.kept.nbytes, (checkpointed.kept.nbytes, full.kept.nbytes)
+
+
+def test_memory_and_time_bounds_drop_the_oldest(make_server):
+    x, g = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
+    probe = make_server()
+    ask(probe, "forward", [x], keep="p")
+    one = probe.kept.nbytes
+    server = make_server(max_activation_bytes=int(1.5 * one), activation_timeout=0.2)
+    ask(server, "forward", [x], keep="first")
+    ask(server, "forward", [x], keep="second")  # over the cap: "first" is dropped
+    assert len(server.kept) == 1 and server.kept.dropped == 1 and server.kept.nbytes == one
+    with pytest.raises(ActivationsLostError):
+        ask(server, "backward", [g], kept="first")
+    ask(server, "backward", [x, g])  # the fallback: recompute from the input
+    time.sleep(0.3)
+    server.kept.expire()
+    assert len(server.kept) == 0 and server.kept.nbytes == 0 and server.kept.dropped == 2
+
+
+def test_a_step_between_forward_and_backward_recomputes_with_the_new_parameters(make_server):
+    server = make_server()
+    x, g = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
+    ask(server, "forward", [x], keep="k")
+    with torch.no_grad():
+        for p in server.params:
+            p.add_(0.01)  # what an optimizer step does, in place
+    stepped = blocks()
+    with torch.no_grad():
+        for p in stepped.parameters():
+            p.add_(0.01)
+    got = served_gradients(server, ask(server, "backward", [g], kept="k"))
+    for a, b in zip(plain_gradients(stepped, x, g), got):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_kept_forwards_are_private_to_their_caller(make_server):
+    server = make_server()
+    x, g = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    ask(server, "forward", [x], keep="k")
+    request = runtime_pb2.ExpertRequest(
+        uid=server.uid,
+        tensors=[compression.serialize(g, "none")],
+        metadata=protocol.encode_metadata({"codec": "none", "kept": "k"}),
+    )
+    with pytest.raises(ActivationsLostError):
+        asyncio.run(server.answer("backward", request, caller="another peer"))
+    assert server.backward_samples == 0 and all(p.grad is None for p in server.params)
