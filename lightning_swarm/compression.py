@@ -1,16 +1,35 @@
 """Compression of the tensors that cross a stage boundary (SWARM section 7).
 
-Activations going forward and their gradients coming back are quantized to 8 bits blockwise (bitsandbytes'
-dynamic code, one fp32 scale per block of 4096 values, through hivemind's ``BLOCKWISE_8BIT`` codec): about a
-quarter of fp32 traffic. ``float16`` halves it; ``none`` sends tensors as they are (exact).
+Activations going forward and their gradients coming back are quantized to 8 bits blockwise: bitsandbytes' signed
+dynamic code, one fp32 scale (the block's absmax) per block of 4096 values, about a quarter of fp32 traffic.
+``float16`` halves it; ``none`` sends tensors as they are (exact).
+
+Encoding runs on the tensor's own device (the GPU when it lives there), so only the compressed bytes cross to the
+host. Decoding runs on the CPU, or on ``device`` when asked. Messages are hivemind's ``runtime_pb2.Tensor``, so
+hivemind's streaming splits and joins them; ``buffer`` holds data in host byte order (little-endian wherever
+torch wheels run):
+
+- ``NONE``: the raw elements; ``dtype`` is the torch dtype's name (``float32``, ``bfloat16``, ``int64``...).
+- ``FLOAT16``: float16 elements (clamped to float16's range); ``dtype`` names the original floating dtype.
+- ``BLOCKWISE_8BIT``: ``dtype`` is the original dtype's name + ``EIGHT_BIT_TAG`` (``float32:dynamic8-4096``); the
+  buffer is ceil(n / 4096) fp32 absmax values, then n uint8 codes. The 256-entry code table is a constant known to
+  both sides and is not sent (hivemind's own ``BLOCKWISE_8BIT`` sends it in every message; its messages, with a
+  bare dtype, are refused).
+
+``NONE`` and ``FLOAT16`` messages are the ones hivemind writes, so either side may be hivemind's serializer.
+``deserialize`` checks every length against the declared shape before reading, and raises ``ValueError`` on any
+mismatch. Decoded tensors are owned by the caller and never require grad.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import functools
+import math
+import warnings
+from typing import Literal, Union
 
+import numpy as np
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
 Codec = Literal["none", "float16", "8bit"]
@@ -19,25 +38,69 @@ CODECS: dict[str, int] = {
     "float16": runtime_pb2.CompressionType.FLOAT16,
     "8bit": runtime_pb2.CompressionType.BLOCKWISE_8BIT,
 }
-BLOCK_SIZE = 4096  # hivemind's BLOCKWISE_8BIT block
+BLOCK_SIZE = 4096
+EIGHT_BIT_TAG = ":dynamic8-4096"  # marks our 8-bit layout (signed dynamic code, blocks of 4096, no code table)
+FP16_MIN, FP16_MAX = torch.finfo(torch.float16).min, torch.finfo(torch.float16).max
+
+_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_QUANTIZABLE = (torch.float32, torch.float16, torch.bfloat16)  # what bitsandbytes quantizes natively
+_INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d for d in (*_FLOATS, *_INTEGERS, torch.complex64, torch.complex128)
+}
+
+# decoding reads the message's (immutable) bytes through a view: harmless, as every decoded tensor is a fresh copy
+warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning, __name__)
 
 
 def check_codec(codec: str) -> str:
+    """``codec`` if it is one of ``CODECS``, else a ``ValueError`` naming the choices."""
     if codec not in CODECS:
         raise ValueError(f"Unknown compression {codec!r}: choose one of {sorted(CODECS)}")
     return codec
 
 
 def serialize(tensor: torch.Tensor, codec: str) -> runtime_pb2.Tensor:
-    """Encode ``tensor`` for the wire. Integer and bf16-under-float16 tensors are sent as they are."""
+    """Encode ``tensor`` for the wire, compressing on its own device. Integer and bf16-under-float16 tensors are
+    sent as they are."""
     compression = CODECS[codec]
+    tensor = tensor.detach()
+    name = _dtype_name(tensor.dtype)
     if not tensor.is_floating_point() or (codec == "float16" and tensor.dtype == torch.bfloat16):
         compression = runtime_pb2.CompressionType.NONE
-    return serialize_torch_tensor(tensor.detach().cpu(), compression)
+    if compression == runtime_pb2.CompressionType.NONE:
+        buffer = _host_bytes(tensor)
+    elif compression == runtime_pb2.CompressionType.FLOAT16:
+        buffer = _host_bytes(tensor.to(torch.float16, copy=True).clamp_(FP16_MIN, FP16_MAX))
+    else:
+        codes, absmax = _quantize(tensor)
+        buffer, name = _host_bytes(absmax, codes), name + EIGHT_BIT_TAG
+    return runtime_pb2.Tensor(buffer=buffer, size=tensor.shape, dtype=name, compression=compression)
 
 
-def deserialize(message: runtime_pb2.Tensor) -> torch.Tensor:
-    return deserialize_torch_tensor(message)
+def deserialize(message: runtime_pb2.Tensor, device: Union[torch.device, str, None] = None) -> torch.Tensor:
+    """Decode a message written by ``serialize`` (on the CPU, or on ``device``); ``ValueError`` if it is malformed."""
+    device = torch.device("cpu" if device is None else device)
+    shape = tuple(message.size)  # unsigned on the wire
+    numel, buffer = math.prod(shape), message.buffer  # each read of .buffer copies it: read it once
+    if message.compression == runtime_pb2.CompressionType.NONE:
+        dtype = _dtype(message.dtype)
+        raw = _view(buffer, numel * dtype.itemsize)
+        if dtype == torch.bool and bool((raw > 1).any()):
+            raise ValueError("bool tensor with bytes other than 0 and 1")
+        return _owned(raw.to(device), raw).view(dtype).reshape(shape)
+    if message.compression == runtime_pb2.CompressionType.FLOAT16:
+        dtype = _dtype(message.dtype, floating=True)
+        half = _view(buffer, numel * 2).view(torch.float16).to(device)
+        return _owned(half.to(dtype), half).reshape(shape)
+    if message.compression == runtime_pb2.CompressionType.BLOCKWISE_8BIT:
+        if not message.dtype.endswith(EIGHT_BIT_TAG):
+            raise ValueError(f"8-bit tensor with dtype {message.dtype!r}: expected '<dtype>{EIGHT_BIT_TAG}'")
+        dtype = _dtype(message.dtype.removesuffix(EIGHT_BIT_TAG), floating=True)
+        blocks = -(-numel // BLOCK_SIZE)
+        raw = _view(buffer, 4 * blocks + numel).to(device)
+        return _dequantize(raw[4 * blocks :], raw[: 4 * blocks].view(torch.float32), dtype).reshape(shape)
+    raise ValueError(f"unsupported compression {message.compression}")
 
 
 def error_bound(tensor: torch.Tensor, codec: str) -> torch.Tensor:
@@ -47,11 +110,69 @@ def error_bound(tensor: torch.Tensor, codec: str) -> torch.Tensor:
     flat = tensor.detach().float().flatten()
     if codec == "float16":  # round to nearest: half an ulp of float16 (10 mantissa bits), min normal spacing
         return (flat.abs() * 2.0**-11 + 2.0**-25).view(tensor.shape)
-    from bitsandbytes.functional import create_dynamic_map
-
-    # a value is coded by one of the two codes that bracket it (scaled by its block's absmax)
-    max_gap = float(create_dynamic_map(signed=True).sort().values.diff().max())
+    # a value is coded by one of the two codes that bracket it (scaled by its block's absmax), then rounded to the
+    # dtype it is decoded to (float32 arithmetic at best)
+    max_gap = float(_code_table(torch.device("cpu")).sort().values.diff().max())
+    rounding = max(torch.finfo(tensor.dtype).eps, torch.finfo(torch.float32).eps)
     padded = torch.nn.functional.pad(flat, (0, (-flat.numel()) % BLOCK_SIZE))
     absmax = padded.view(-1, BLOCK_SIZE).abs().amax(dim=1, keepdim=True)
-    bound = (absmax * max_gap * (1 + 1e-6)).expand(-1, BLOCK_SIZE).flatten()[: flat.numel()]
+    bound = (absmax * (max_gap + rounding)).expand(-1, BLOCK_SIZE).flatten()[: flat.numel()]
     return bound.view(tensor.shape)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str, floating: bool = False) -> torch.dtype:
+    dtype = DTYPES.get(name)
+    if dtype is None or (floating and dtype not in _FLOATS):
+        raise ValueError(f"unsupported dtype {name!r}")
+    return dtype
+
+
+def _host_bytes(*parts: torch.Tensor) -> bytes:
+    """The parts' elements, back to back, copied once from their device into one bytes object."""
+    return b"".join(part.contiguous().reshape(-1).view(torch.uint8).cpu().numpy() for part in parts)
+
+
+def _view(buffer: bytes, expected: int) -> torch.Tensor:
+    """A read-only uint8 view of ``buffer``, which must hold exactly ``expected`` bytes."""
+    if len(buffer) != expected:
+        raise ValueError(f"buffer holds {len(buffer)} bytes, the shape and dtype need {expected}")
+    return torch.from_numpy(np.frombuffer(buffer, dtype=np.uint8))
+
+
+def _owned(tensor: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """``tensor``, copied if it is still the read-only ``view`` of a message's bytes."""
+    return tensor.clone() if tensor is view else tensor
+
+
+@functools.cache
+def _code_table(device: torch.device) -> torch.Tensor:
+    """bitsandbytes' signed dynamic 8-bit code (256 sorted values in [-1, 1]), kept on ``device``."""
+    from bitsandbytes.functional import create_dynamic_map
+
+    return create_dynamic_map(signed=True).to(device)
+
+
+def _quantize(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 codes and fp32 absmax per block, computed on the tensor's device."""
+    from bitsandbytes.functional import quantize_blockwise
+
+    if tensor.numel() == 0:  # bitsandbytes' CUDA kernel cannot be launched on zero blocks
+        return tensor.new_empty(tensor.shape, dtype=torch.uint8), tensor.new_empty(0, dtype=torch.float32)
+    if tensor.dtype not in _QUANTIZABLE:
+        tensor = tensor.float()
+    codes, state = quantize_blockwise(tensor, code=_code_table(tensor.device), blocksize=BLOCK_SIZE)
+    return codes, state.absmax.float()
+
+
+def _dequantize(codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    from bitsandbytes.functional import QuantState, dequantize_blockwise
+
+    if codes.numel() == 0:
+        return torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    decoded_dtype = dtype if dtype in _QUANTIZABLE else torch.float32
+    state = QuantState(absmax=absmax, code=_code_table(codes.device), blocksize=BLOCK_SIZE, dtype=decoded_dtype)
+    return dequantize_blockwise(codes, state).to(dtype)

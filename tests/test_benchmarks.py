@@ -24,3 +24,25 @@ def test_swarm_throughput_smoke(tmp_path):
     assert row, text
     plain, ratio = float(row.group(1)), float(row.group(2))
     assert plain > 0 and 0 < ratio < 10, text
+
+
+def test_codec_smoke(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    script = ROOT / "benchmarks" / "codec.py"
+    subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out)],
+        check=True,
+        timeout=300,
+        capture_output=True,
+        start_new_session=True,
+    )
+    text = out.read_text()
+    for codec in ("none", "float16", "8bit", "hivemind 8-bit"):
+        figures = r"\| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \|.* yes \|$"
+        row = re.search(rf"^\| cpu \| 4x16x64 \| {codec} {figures}", text, re.MULTILINE)
+        assert row, text
+        encode, decode, wire = map(float, row.groups())
+        assert encode > 0 and decode > 0 and 0 < wire <= 1.01, text
+        if codec == "8bit":
+            assert wire <= 0.27, text
+    assert (tmp_path / "results" / "codec.json").exists()
