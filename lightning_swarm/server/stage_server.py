@@ -165,7 +165,8 @@ class StageServer(ServicerBase):
             expected = 1 if kind == "forward" or key is not None else 2
             if len(request.tensors) != expected:
                 raise SwarmRequestError(f"{kind} expects {expected} tensor(s), got {len(request.tensors)}")
-            tensors = [self._decode(t) for t in request.tensors]
+            loop = asyncio.get_running_loop()  # decoding and encoding run beside it, not on it
+            tensors = await loop.run_in_executor(None, lambda: [self._decode(t) for t in request.tensors])
             batch = int(tensors[0].shape[0]) if tensors[0].ndim else 1
             train = bool(metadata.get("train", True))
             future = self._submit(kind, tensors, train, batch, None if key is None else (str(caller), key))
@@ -175,7 +176,8 @@ class StageServer(ServicerBase):
         except Exception as e:
             log.warning("Stage %d refused a %s request from %s: %r", self.stage, kind, caller, e)
             raise
-        return runtime_pb2.ExpertResponse(tensors=[compression.serialize(output, codec)])
+        encoded = await loop.run_in_executor(None, compression.serialize, output, codec)
+        return runtime_pb2.ExpertResponse(tensors=[encoded])
 
     def _check_uid(self, uid: str) -> None:
         if uid != self.uid:
@@ -254,14 +256,14 @@ class StageServer(ServicerBase):
 
     @torch.no_grad()
     def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.module(inputs.to(self.device)).cpu()
+        return self.module(inputs.to(self.device))
 
     def _forward_and_keep(self, inputs: torch.Tensor, key: tuple[str, str]) -> torch.Tensor:
         inputs = inputs.to(self.device).requires_grad_()
         with torch.enable_grad(), counting_saved_bytes(self.params) as saved:
             outputs = self._run(inputs)
         self.kept.put(key, Kept(inputs, outputs, saved[0], self._params_version()))
-        return outputs.detach().cpu()
+        return outputs.detach()
 
     def _run(self, inputs: torch.Tensor) -> torch.Tensor:
         """The stage's forward with autograd on, block by block under checkpointing if that is on."""
@@ -304,7 +306,7 @@ class StageServer(ServicerBase):
         self.backward_samples += int(inputs.shape[0])
         if self.on_backward is not None:
             self.on_backward(int(inputs.shape[0]))
-        return grads[0].cpu()
+        return grads[0]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A copy of the stage's current state (stage-local keys), taken between two requests."""
