@@ -7,7 +7,8 @@ gradients until the peers sharing it (the peers of that stage, or all trainers) 
 
 from __future__ import annotations
 
-import contextlib
+import logging
+import time
 from collections import Counter
 from functools import partial
 from typing import Any, Iterable, Optional
@@ -19,6 +20,8 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.performance_ema import PerformanceEMA
+
+log = logging.getLogger(__name__)
 
 
 def restrict_to(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -110,14 +113,24 @@ class ConsistentStateAverager(TrainingStateAverager):
     hivemind raises a peer's epoch when it schedules a step, then runs the step in a background thread (all of it
     with delayed updates, the optimizer part otherwise), and serves its state to downloading peers without waiting
     for that step or locking the optimizer: a peer catching up could get the previous step's parameters, or a mix
-    of both, labelled with the new epoch, and stay one step apart from the others for good. Here the state is read
-    once the pending step finished, under the optimizer's lock.
+    of both, labelled with the new epoch, and stay one step apart from the others for good. Here a download waits
+    for the pending step briefly (within the downloader's patience) and is refused if it is still running, so the
+    downloader asks again later; the state is read under the optimizer's lock.
     """
 
+    def __init__(self, *args: Any, request_timeout: float = 3.0, **kwargs: Any) -> None:
+        super().__init__(*args, request_timeout=request_timeout, **kwargs)
+        self.patience = request_timeout / 2  # a downloader waits request_timeout for the first part of the state
+
     def get_current_state(self):
+        deadline = time.monotonic() + self.patience
         for update in list(self.pending_updates):
-            with contextlib.suppress(BaseException):  # a failed or cancelled step leaves the state as it was
-                update.result(timeout=self._allreduce_timeout)
+            try:
+                update.result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise RuntimeError("this peer is in the middle of a step: download its state later") from None
+            except BaseException:  # a failed or cancelled step left the state as it was
+                pass
         with self.lock_optimizer:
             return super().get_current_state()
 
@@ -167,6 +180,32 @@ class SwarmOptimizer(hivemind.Optimizer):
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         if maybe_step_control is not None and maybe_step_control.done() and not maybe_step_control.exception():
             self.allreduce_sizes[len(maybe_step_control.result())] += 1
+
+    def load_state_from_peers(self, **kwargs: Any) -> bool:
+        """Download the newest state of the peers sharing this optimizer; returns whether this peer is now at the
+        swarm's epoch.
+
+        Unlike hivemind's: a download that fails, or brings an older epoch, leaves this peer at its own epoch
+        (hivemind labels it with the swarm's epoch anyway, which forks its parameters from the others' for good),
+        and a failure is not retried forever: the caller (the idle loop, or the next step) tries again later.
+        """
+        if self.scheduled_grads is not None and not self.scheduled_grads.done():
+            self._tag_along_with_zero_weight(self.scheduled_grads)  # others may count on this peer's round
+            self.scheduled_grads = None
+        self.state_averager.step(wait_for_delayed_updates=True)
+        with self.tracker.pause_updates():
+            try:
+                self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+            except Exception as e:
+                log.warning("Could not download the state of %s from its peers: %r", self.run_id, e)
+            self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+            if self.use_gradient_averaging:
+                self.grad_averager.reset_accumulated_grads_()
+                if not self.client_mode:
+                    self.grad_averager.state_sharing_priority = self.local_epoch
+        return self.local_epoch >= self.tracker.global_epoch
 
     def _should_load_state_from_peers(self) -> bool:
         # hivemind lets a peer one epoch behind step with its own gradients; here the others' round is over by the

@@ -449,7 +449,8 @@ class SwarmStrategy(Strategy):
         if live and self._stage_optimizer is not None:
             log.warning("Stage %d is served by %d peer(s): downloading its current state", stage, len(live))
             with self.server.lock:
-                self._stage_optimizer.load_state_from_peers()
+                if not self._stage_optimizer.load_state_from_peers():
+                    log.warning("Stage %d: could not download its state yet; serving will retry before stepping", stage)
         self.node.run(self.server.add_p2p_handlers(self.node.p2p, namespace=self.run_id))
         self._announcer.start()
         log.warning(
