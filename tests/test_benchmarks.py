@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 
@@ -46,3 +47,23 @@ def test_codec_smoke(tmp_path):
         if codec == "8bit":
             assert wire <= 0.27, text
     assert (tmp_path / "results" / "codec.json").exists()
+
+
+def test_slow_links_smoke(tmp_path):
+    probe = "ip link set lo up && tc qdisc add dev lo root tbf rate 200mbit burst 256kb latency 50ms"
+    if subprocess.run(["unshare", "-n", "sh", "-c", probe], capture_output=True).returncode != 0:
+        pytest.skip("needs `unshare -n` and tc's tbf (root) to cap bandwidth in a network namespace")
+    out = tmp_path / "RESULTS.md"
+    script = ROOT / "benchmarks" / "slow_links.py"
+    subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out)],
+        check=True,
+        timeout=280,
+        capture_output=True,
+        start_new_session=True,
+    )
+    text = out.read_text()
+    row = re.search(r"^\| 200 Mbit/s \+ 50 ms \| 8-bit \| ([0-9.]+) \| - \| ([0-9.]+) \|", text, re.MULTILINE)
+    assert row, text
+    speed, to_plain = float(row.group(1)), float(row.group(2))
+    assert speed > 0 and 0 < to_plain < 10, text
