@@ -67,3 +67,22 @@ def test_slow_links_smoke(tmp_path):
     assert row, text
     speed, to_plain = float(row.group(1)), float(row.group(2))
     assert speed > 0 and 0 < to_plain < 10, text
+
+
+def test_baselines_smoke(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    script = ROOT / "benchmarks" / "baselines.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out)],
+        timeout=600,
+        capture_output=True,
+        text=True,
+        start_new_session=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = out.read_text()
+    row = re.search(r"^\| 32 \| ([0-9.]+)((?: \| [0-9.]+ \([0-9.]+/s\)){3}) \|$", text, re.MULTILINE)
+    assert row, text
+    ratios = [float(r) for r in re.findall(r"\| ([0-9.]+) \(", row.group(2))]
+    assert float(row.group(1)) > 0 and all(0 < r < 10 for r in ratios), text
+    assert (tmp_path / "results" / "baselines.json").exists()
