@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -12,6 +13,10 @@ import pytest
 
 # before anything imports hivemind: its default, file_system sharing, starts a torch_shm_manager that outlives tests
 os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
+# every process this suite starts (peers, their p2pd daemons) inherits this mark: the leftover check looks only at
+# those, and never touches another run's processes on the same machine
+SESSION_MARK = ("LIGHTNING_SWARM_TEST_SESSION", uuid.uuid4().hex)
+os.environ[SESSION_MARK[0]] = SESSION_MARK[1]
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT_SCRIPT = str(ROOT / "examples" / "gpt.py")
@@ -27,9 +32,17 @@ SMALL_GPT = ["--d-model", "32", "--n-layer", "2", "--n-head", "2", "--block-size
 
 
 def p2pd_processes() -> set[int]:
-    """Running p2pd daemons (zombies are dead already, only not yet reaped by init)."""
+    """Running p2pd daemons started by this suite (zombies are dead already, only not yet reaped by init)."""
     found = psutil.process_iter(["name", "status"])
-    return {p.pid for p in found if p.info["name"] == "p2pd" and p.info["status"] != psutil.STATUS_ZOMBIE}
+    daemons = [p for p in found if p.info["name"] == "p2pd" and p.info["status"] != psutil.STATUS_ZOMBIE]
+    return {p.pid for p in daemons if _environ(p).get(SESSION_MARK[0]) == SESSION_MARK[1]}
+
+
+def _environ(process: psutil.Process) -> dict:
+    try:
+        return process.environ()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return {}
 
 
 @pytest.fixture(scope="session", autouse=True)
