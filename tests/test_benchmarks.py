@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -67,6 +68,38 @@ def test_slow_links_smoke(tmp_path):
     assert row, text
     speed, to_plain = float(row.group(1)), float(row.group(2))
     assert speed > 0 and 0 < to_plain < 10, text
+
+
+def test_convergence_smoke(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    script = ROOT / "benchmarks" / "convergence.py"
+    subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out)],
+        check=True,
+        timeout=600,
+        capture_output=True,
+        start_new_session=True,
+    )
+    text = out.read_text()
+    runs = r"plain|swarm, 1 trainer|swarm, 2 trainers"
+    losses = re.findall(rf"^\| (?:{runs}) \| [^|]+ \| [0-9]+ \| ([0-9.]+) \|", text, re.MULTILINE)
+    assert len(losses) == 3, text
+    assert all(0 < float(loss) < 10 for loss in losses), text
+    assert (tmp_path / "results" / "convergence.json").exists()
+
+
+def test_plot(tmp_path):
+    curves = {label: {"samples": [16, 32, 48], "val_loss": [3.1, 2.6, 2.4]} for label in ("plain", "swarm, 1 trainer")}
+    (tmp_path / "convergence.json").write_text(json.dumps({"d_model": 32, "curves": curves}))
+    (tmp_path / "swarm_throughput.json").write_text("{}")  # a format it does not expect: left out, with a note
+    (tmp_path / "unknown.json").write_text("[]")  # no panel for it: a note
+    out = tmp_path / "x.png"
+    script = ROOT / "benchmarks" / "plot.py"
+    command = [sys.executable, str(script), "--data", str(tmp_path), "--out", str(out)]
+    result = subprocess.run(command, check=True, timeout=120, capture_output=True, text=True)
+    png = out.read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000, result.stdout
+    assert "swarm_throughput.json" in result.stdout and "unknown.json" in result.stdout, result.stdout
 
 
 def test_baselines_smoke(tmp_path):
