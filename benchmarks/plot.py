@@ -48,11 +48,15 @@ def ratios_to_plain(ax: Axes, rows: list[dict], keys: Callable[[dict], list[str]
 
 
 def swarm_throughput(ax: Axes, rows: list[dict]) -> None:
-    """Every numeric figure of a row but d_model, plain and the byte counts is a configuration's samples/s."""
+    """A configuration's samples/s: a number under a key that neither is d_model nor starts with plain or with the
+    key of another figure (as "<label> bytes" and other per-configuration extras do)."""
 
     def keys(row: dict) -> list[str]:
-        skip = ("d_model", "plain")
-        return [k for k, v in row.items() if _number(v) and k not in skip and not k.endswith(" bytes")]
+        def derived(key: str) -> bool:
+            return any(key.startswith(other + " ") for other in row if other != key)
+
+        picked = (k for k, v in row.items() if _number(v) and k != "d_model" and not k.startswith("plain"))
+        return [k for k in picked if not derived(k)]
 
     ratios_to_plain(ax, rows, keys, "Swarm throughput")
 
