@@ -178,8 +178,9 @@ def write(runs: dict[str, dict], a: argparse.Namespace, path: Path) -> None:
     curves = [[str(s)] + [cell(points, i) for points in runs.values()] for i, s in enumerate(base["samples"])]
     worst = max(abs(g) for g in gaps.values())
     updates = "synchronous" if a.synchronous else "delayed"
+    name = "convergence_synchronous" if a.synchronous else "convergence"  # each mode keeps its own section
     lines = [
-        "## Convergence",
+        f"## Convergence, {updates} updates",
         "",
         f"`python benchmarks/convergence.py`{' --smoke' if a.smoke else ''}, {machine()}; GPT with 4 blocks, "
         f"d_model {a.d_model}, block {a.block_size}, {a.steps * a.batch_size} samples ({a.steps} optimizer steps of "
@@ -202,11 +203,11 @@ def write(runs: dict[str, dict], a: argparse.Namespace, path: Path) -> None:
         "",
         *table(["samples", *runs], curves),
     ]
-    update_section("convergence", lines, path)
+    update_section(name, lines, path)
     names = ("d_model", "steps", "batch_size", "block_size", "val_every", "val_batches", "seed", "synchronous")
     settings = {name: getattr(a, name) for name in names}
     data = {**settings, "smoke": a.smoke, "curves": runs, "gap": gaps}
-    save_data("convergence", data, path.parent / "results")
+    save_data(name, data, path.parent / "results")
 
 
 if __name__ == "__main__":

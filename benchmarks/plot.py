@@ -30,21 +30,30 @@ def convergence(ax: Axes, data: dict) -> None:
     """Validation loss against samples, plain training and each swarm."""
     for label, points in data["curves"].items():
         ax.plot(points["samples"], points["val_loss"], marker=".", label=label)
-    ax.set(title=f"Convergence (d_model {data['d_model']})", xlabel="samples", ylabel="validation loss")
+    updates = "synchronous" if data.get("synchronous") else "delayed"
+    ax.set(title=f"Convergence, {updates} updates (d_model {data['d_model']})", xlabel="samples", ylabel="loss")
 
 
-def ratios_to_plain(ax: Axes, rows: list[dict], keys: Callable[[dict], list[str]], title: str) -> None:
-    """Throughput of each configuration ``keys(row)`` as a ratio of plain training's, against d_model."""
+def ratios_to_plain(
+    ax: Axes,
+    rows: list[dict],
+    keys: Callable[[dict], list[str]],
+    title: str,
+    reference: Callable[[dict], float] = lambda row: row["plain"],
+    ylabel: str = "throughput / plain",
+) -> None:
+    """Throughput of each configuration ``keys(row)`` as a ratio of ``reference(row)`` (plain training's), against
+    d_model."""
     labels = list(dict.fromkeys(key for row in rows for key in keys(row)))
     for label in labels:
-        points = [(row["d_model"], row[label] / row["plain"]) for row in rows if label in row]
+        points = [(row["d_model"], row[label] / reference(row)) for row in rows if label in row]
         ax.plot(*zip(*points), marker="o", label=label)
     ax.axhline(1.0, color="gray", linestyle=":", linewidth=1)
     sizes = sorted({row["d_model"] for row in rows})
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(size) for size in sizes])
     ax.minorticks_off()
-    ax.set(title=title, xlabel="d_model", ylabel="throughput / plain")
+    ax.set(title=title, xlabel="d_model", ylabel=ylabel)
 
 
 def swarm_throughput(ax: Axes, rows: list[dict]) -> None:
@@ -58,7 +67,9 @@ def swarm_throughput(ax: Axes, rows: list[dict]) -> None:
         picked = (k for k, v in row.items() if _number(v) and k != "d_model" and not k.startswith("plain"))
         return [k for k in picked if not derived(k)]
 
-    ratios_to_plain(ax, rows, keys, "Swarm throughput")
+    ratios_to_plain(
+        ax, rows, keys, "Pipeline efficiency", lambda row: min(row["stages_alone"]), "throughput / slowest stage alone"
+    )
 
 
 def baselines(ax: Axes, rows: list[dict]) -> None:
@@ -99,6 +110,7 @@ def codec(ax: Axes, rows: list[dict]) -> None:
 
 PANELS: dict[str, Callable[[Axes, Any], None]] = {
     "convergence": convergence,
+    "convergence_synchronous": convergence,
     "swarm_throughput": swarm_throughput,
     "baselines": baselines,
     "slow_links": slow_links,
