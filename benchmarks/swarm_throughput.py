@@ -226,13 +226,17 @@ def write(rows: list[dict], variants: list, path: Path, smoke: bool, steps: int,
             [[str(row["d_model"])] + [f"{row[f'{label} bytes']:.2f}" for label in labels] for row in rows],
         ),
         "",
-        f"### Peak memory (RSS, MiB): plain training of the full model against the swarm's peers ({labels[-1]})",
+        "### Peak memory (RSS, MiB): plain training of the full model against the swarm's peers",
+        "",
+        "Each process's peak resident memory (VmHWM), imports included; swarm columns: trainer (local parts) / "
+        + " / ".join(f"stage {k} peer" for k in range(STAGES))
+        + ".",
         "",
         *table(
-            ["d_model", "plain (full model)", "trainer (local parts)", *(f"stage {k} peer" for k in range(STAGES))],
+            ["d_model", "plain (full model)", *labels],
             [
                 [str(row["d_model"]), f"{row['plain_peak_rss'] / mib:.0f}"]
-                + [f"{rss / mib:.0f}" for rss in row[f"{labels[-1]} peak_rss"]]
+                + [" / ".join(f"{rss / mib:.0f}" for rss in row[f"{label} peak_rss"]) for label in labels]
                 for row in rows
             ],
         ),
