@@ -11,17 +11,22 @@ import pytest
 from conftest import ROOT
 
 
-def test_swarm_throughput_smoke(tmp_path):
+def smoke(tmp_path, name: str, timeout: float) -> str:
+    """Run ``benchmarks/<name>.py --smoke`` in a session of its own; returns the results it wrote."""
     out = tmp_path / "RESULTS.md"
-    script = ROOT / "benchmarks" / "swarm_throughput.py"
-    subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(out)],
-        check=True,
-        timeout=600,
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--smoke", "--out", str(out)],
+        timeout=timeout,
         capture_output=True,
+        text=True,
         start_new_session=True,
     )
-    text = out.read_text()
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out.read_text()
+
+
+def test_swarm_throughput_smoke(tmp_path):
+    text = smoke(tmp_path, "swarm_throughput", timeout=600)
     # d_model | each stage alone (samples/s) | plain (samples/s) | efficiency (samples/s)
     row = re.search(r"^\| 32 \| ([0-9.]+) / ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \(", text, re.MULTILINE)
     assert row, text
@@ -30,16 +35,7 @@ def test_swarm_throughput_smoke(tmp_path):
 
 
 def test_codec_smoke(tmp_path):
-    out = tmp_path / "RESULTS.md"
-    script = ROOT / "benchmarks" / "codec.py"
-    subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(out)],
-        check=True,
-        timeout=300,
-        capture_output=True,
-        start_new_session=True,
-    )
-    text = out.read_text()
+    text = smoke(tmp_path, "codec", timeout=300)
     for codec in ("none", "float16", "8bit", "hivemind 8-bit"):
         figures = r"\| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \|.* yes \|$"
         row = re.search(rf"^\| cpu \| 4x16x64 \| {codec} {figures}", text, re.MULTILINE)
@@ -55,16 +51,7 @@ def test_slow_links_smoke(tmp_path):
     probe = "ip link set lo up && tc qdisc add dev lo root tbf rate 200mbit burst 256kb latency 50ms"
     if subprocess.run(["unshare", "-n", "sh", "-c", probe], capture_output=True).returncode != 0:
         pytest.skip("needs `unshare -n` and tc's tbf (root) to cap bandwidth in a network namespace")
-    out = tmp_path / "RESULTS.md"
-    script = ROOT / "benchmarks" / "slow_links.py"
-    subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(out)],
-        check=True,
-        timeout=280,
-        capture_output=True,
-        start_new_session=True,
-    )
-    text = out.read_text()
+    text = smoke(tmp_path, "slow_links", timeout=280)
     row = re.search(r"^\| 200 Mbit/s \+ 50 ms \| 8-bit \| ([0-9.]+) \| - \| ([0-9.]+) \|", text, re.MULTILINE)
     assert row, text
     speed, to_plain = float(row.group(1)), float(row.group(2))
@@ -72,16 +59,7 @@ def test_slow_links_smoke(tmp_path):
 
 
 def test_convergence_smoke(tmp_path):
-    out = tmp_path / "RESULTS.md"
-    script = ROOT / "benchmarks" / "convergence.py"
-    subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(out)],
-        check=True,
-        timeout=600,
-        capture_output=True,
-        start_new_session=True,
-    )
-    text = out.read_text()
+    text = smoke(tmp_path, "convergence", timeout=600)
     runs = r"plain|swarm, 1 trainer|swarm, 2 trainers"
     losses = re.findall(rf"^\| (?:{runs}) \| [^|]+ \| [0-9]+ \| ([0-9.]+) \|", text, re.MULTILINE)
     assert len(losses) == 3, text
@@ -104,17 +82,7 @@ def test_plot(tmp_path):
 
 
 def test_baselines_smoke(tmp_path):
-    out = tmp_path / "RESULTS.md"
-    script = ROOT / "benchmarks" / "baselines.py"
-    result = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(out)],
-        timeout=600,
-        capture_output=True,
-        text=True,
-        start_new_session=True,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    text = out.read_text()
+    text = smoke(tmp_path, "baselines", timeout=600)
     row = re.search(r"^\| 32 \| ([0-9.]+)((?: \| [0-9.]+ \([0-9.]+/s\)){3}) \|$", text, re.MULTILINE)
     assert row, text
     ratios = [float(r) for r in re.findall(r"\| ([0-9.]+) \(", row.group(2))]

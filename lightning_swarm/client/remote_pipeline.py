@@ -38,7 +38,7 @@ class Route:
 
     inputs: list[torch.Tensor]
     peers: list[str]
-    keys: list[str]
+    keys: list[Optional[str]]  # None: the forward was not kept (no backward expected)
 
 
 class RemotePipeline(nn.Module):
