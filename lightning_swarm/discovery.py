@@ -119,3 +119,81 @@ class Announcer:
             self._thread.join(timeout=self.node.timeout)
         if final is not None:
             self.announce(final)
+
+
+class SwarmWatcher:
+    """A daemon thread that reads the whole swarm's records every ``period`` seconds, keeps the latest view, and
+    reports the differences between two views: peers that joined, left, or moved to another stage.
+
+    Args:
+        on_change: called on the watcher's thread with ``(kind, peer_id, before, after)``: ``kind`` is
+            ``"joined"``, ``"left"`` or ``"moved"``; ``before`` and ``after`` are the peer's records (``after`` of a
+            peer that left is its "leaving" record if it announced one, else None: its record expired).
+    """
+
+    def __init__(
+        self,
+        node: SwarmNode,
+        run_id: str,
+        num_stages: int,
+        period: float,
+        on_change: Callable[[str, str, Optional[PeerRecord], Optional[PeerRecord]], None],
+    ) -> None:
+        self.node, self.run_id, self.num_stages, self.period = node, run_id, num_stages, period
+        self.on_change = on_change
+        self.latest: Optional[list[dict[str, PeerRecord]]] = None  # one dict per stage
+        self.drivers: dict[str, PeerRecord] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="swarm-watcher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.node.timeout)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.refresh()
+            except Exception as e:  # the next period reads again
+                log.warning("Could not read the swarm: %r", e)
+            if self._stop.wait(self.period):
+                return
+
+    def refresh(self) -> list[dict[str, PeerRecord]]:
+        swarm, drivers = fetch_swarm(self.node, self.run_id, self.num_stages), fetch_stage(self.node, self.run_id, None)
+        if self.latest is not None:
+            leaving = {r.peer_id: r for r in [*drivers.values(), *_records(swarm)] if r.state == PeerState.LEAVING}
+            self._compare(self._by_peer(self.latest, self.drivers), self._by_peer(swarm, drivers), leaving)
+        self.latest, self.drivers = swarm, drivers
+        return swarm
+
+    @staticmethod
+    def _by_peer(swarm: list[dict[str, PeerRecord]], drivers: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
+        """Each present peer's record. A moving peer announces its new stage (joining) before it leaves the old
+        one, so a peer found at two stages counts at the one it is joining."""
+        found: dict[str, PeerRecord] = {}
+        for record in [*drivers.values(), *_records(swarm)]:
+            if record.state == PeerState.LEAVING:
+                continue
+            if record.peer_id not in found or record.state == PeerState.JOINING:
+                found[record.peer_id] = record
+        return found
+
+    def _compare(
+        self, before: dict[str, PeerRecord], after: dict[str, PeerRecord], leaving: dict[str, PeerRecord]
+    ) -> None:
+        for peer in before.keys() - after.keys():
+            self.on_change("left", peer, before[peer], leaving.get(peer))
+        for peer in after.keys() - before.keys():
+            self.on_change("joined", peer, None, after[peer])
+        for peer in before.keys() & after.keys():
+            if before[peer].stage != after[peer].stage:
+                self.on_change("moved", peer, before[peer], after[peer])
+
+
+def _records(swarm: list[dict[str, PeerRecord]]) -> list[PeerRecord]:
+    return [record for stage in swarm for record in stage.values()]

@@ -9,7 +9,9 @@ This file is the table of contents. Each step of SWARM lives in its own module:
 - :mod:`~lightning_swarm.optimizer`: per-stage and local optimizers that all-reduce at the target batch size;
 - :mod:`~lightning_swarm.client.routing`: stochastic wiring with failover;
 - :mod:`~lightning_swarm.client.remote_pipeline`: the module that replaces the pipeline in ``training_step``;
-- :mod:`~lightning_swarm.compression`: 8-bit activations and gradients on the wire.
+- :mod:`~lightning_swarm.compression`: 8-bit activations and gradients on the wire;
+- :mod:`~lightning_swarm.rebalancing`: peers move from stages with spare capacity to the bottleneck;
+- :mod:`~lightning_swarm.events` and :mod:`~lightning_swarm.callbacks`: swarm events for Lightning callbacks.
 """
 
 from __future__ import annotations
@@ -34,14 +36,17 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from lightning_swarm import discovery, partitioning
+from lightning_swarm import discovery, partitioning, rebalancing
+from lightning_swarm.callbacks import dispatch
 from lightning_swarm.client.remote_pipeline import RemotePipeline
 from lightning_swarm.client.routing import StageRouter
 from lightning_swarm.compression import Codec, check_codec
 from lightning_swarm.discovery import Announcer, PeerRecord, PeerState
 from lightning_swarm.errors import StageUnavailableError
+from lightning_swarm.events import EventQueue, PeerJoined, PeerLeft, StageChanged, StageStep
 from lightning_swarm.node import LOOPBACK_MADDRS, SwarmNode
 from lightning_swarm.optimizer import restrict_to, swarm_optimizer
+from lightning_swarm.rebalancing import Move, Plan, Rebalancer
 from lightning_swarm.server.stage_server import StageServer
 
 log = logging.getLogger(__name__)
@@ -100,6 +105,9 @@ class SwarmStrategy(Strategy):
             Default 30.
         request_timeout: seconds to wait for a stage's reply before trying another peer of the stage. Default 60.
         max_retries: attempts on other peers before a microbatch's stage is reported unavailable. Default 5.
+        stage_wait_timeout: seconds a trainer waits, during training, for a stage that has no live peer at all (all
+            left or died) to be served again, logging which stage it waits for, before it stops with
+            ``StageUnavailableError``. Default 300.
         ban_timeout: seconds a peer that failed a call is not chosen again (doubling on repeated failures). Default 15.
         update_period: seconds between refreshes of this peer's DHT record. Default 10.
         join_timeout: seconds a driving peer waits for every stage to have a live peer before training. Default 300.
@@ -107,6 +115,11 @@ class SwarmStrategy(Strategy):
             still training (so that finishing first does not strand them). Default 300.
         max_queue: requests a stage server keeps waiting; beyond that it answers "busy". Default 64.
         max_request_bytes: largest request a stage server accepts. Default 256 MiB.
+        rebalance_period: seconds between two rebalancing rounds, in which a serving peer may move from a stage
+            with spare capacity to the bottleneck stage (see :mod:`~lightning_swarm.rebalancing`); 0 turns
+            rebalancing off. ``stage`` is then only where a peer starts. Default 60.
+        throttle: slow this peer's stage server down by this factor on purpose (e.g. 3: a third of its speed), to
+            show or test a swarm of unequal peers on one machine. Default 1.
     """
 
     strategy_name = "swarm"
@@ -134,12 +147,15 @@ class SwarmStrategy(Strategy):
         averaging_timeout: Optional[float] = None,
         request_timeout: Optional[float] = None,
         max_retries: Optional[int] = None,
+        stage_wait_timeout: Optional[float] = None,
         ban_timeout: Optional[float] = None,
         update_period: Optional[float] = None,
         join_timeout: Optional[float] = None,
         linger: Optional[float] = None,
         max_queue: Optional[int] = None,
         max_request_bytes: Optional[int] = None,
+        rebalance_period: Optional[float] = None,
+        throttle: Optional[float] = None,
     ) -> None:
         super().__init__()
         self.run_id = _setting("run_id", run_id, str, "swarm")
@@ -173,12 +189,19 @@ class SwarmStrategy(Strategy):
         self.averaging_timeout = _setting("averaging_timeout", averaging_timeout, float, 30.0)
         self.request_timeout = _setting("request_timeout", request_timeout, float, 60.0)
         self.max_retries = _setting("max_retries", max_retries, int, 5)
+        self.stage_wait_timeout = _setting("stage_wait_timeout", stage_wait_timeout, float, 300.0)
         self.ban_timeout = _setting("ban_timeout", ban_timeout, float, 15.0)
         self.update_period = _setting("update_period", update_period, float, 10.0)
         self.join_timeout = _setting("join_timeout", join_timeout, float, 300.0)
         self.linger = _setting("linger", linger, float, 300.0)
         self.max_queue = _setting("max_queue", max_queue, int, 64)
         self.max_request_bytes = _setting("max_request_bytes", max_request_bytes, int, 256 * 2**20)
+        self.rebalance_period = _setting("rebalance_period", rebalance_period, float, 60.0)
+        if self.rebalance_period < 0:
+            raise ValueError(f"rebalance_period must be positive (or 0: off), got {self.rebalance_period}")
+        self.throttle = _setting("throttle", throttle, float, 1.0)
+        if self.throttle < 1:
+            raise ValueError(f"throttle must be at least 1 (a slowdown factor), got {self.throttle}")
         self.parallel_devices: Optional[list[torch.device]] = None  # filled in by Lightning's connector
 
         self.node: Optional[SwarmNode] = None
@@ -193,6 +216,13 @@ class SwarmStrategy(Strategy):
         self._batch_size: Optional[int] = None
         self._stop_requested = threading.Event()
         self._training = False
+        self._blueprint: Optional[nn.Sequential] = None  # the whole pipeline, blocks of other stages on meta
+        self.events = EventQueue()
+        self._watcher: Optional[discovery.SwarmWatcher] = None
+        self._rebalancer: Optional[Rebalancer] = None
+        self._pending_move: Optional[tuple[Move, Plan]] = None
+        self._move_lock = threading.Lock()
+        self.rebalances = 0  # stage changes this peer saw (its own included)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -280,6 +310,7 @@ class SwarmStrategy(Strategy):
         self._set_training(True)
 
     def on_train_end(self) -> None:
+        self._service()
         self._set_training(False)
 
     def _set_training(self, training: bool) -> None:
@@ -290,6 +321,7 @@ class SwarmStrategy(Strategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._batch_size = extract_batch_size(batch)
+        self._service()
         if self._stop_requested.is_set():
             self.lightning_module.trainer.should_stop = True
 
@@ -321,19 +353,20 @@ class SwarmStrategy(Strategy):
     def teardown(self) -> None:
         if self.server is not None and self.role != "serve":
             self._linger()
-        if self._announcer is not None:
+        for thread in (self._rebalancer, self._watcher):
+            if thread is not None:
+                thread.stop()
+        self._rebalancer = self._watcher = None
+        if self.server is not None:
+            self._stop_serving()
+        elif self._announcer is not None:
             self._announcer.stop(final=self._record(PeerState.LEAVING))
             self._announcer = None
-        if self.server is not None:
-            with contextlib.suppress(Exception):
-                self.node.run(self.server.remove_p2p_handlers(self.node.p2p, namespace=self.run_id), timeout=5)
-            self.server.shutdown()
-            self.server = None
-        for opt in [self._stage_optimizer, *self.optimizers]:
+        for opt in self.optimizers:
             shutdown = getattr(opt, "shutdown", None)
             if shutdown is not None:
                 shutdown()
-        self._stage_optimizer, self.optimizers = None, []
+        self.optimizers = []
         pipeline = getattr(self.lightning_module, self._pipeline_name or "", None)
         if isinstance(pipeline, RemotePipeline):
             pipeline.close()
@@ -369,9 +402,12 @@ class SwarmStrategy(Strategy):
             self.max_retries,
             self.ban_timeout,
             refresh_period=min(2.0, self.update_period),
+            stage_wait_timeout=self.stage_wait_timeout,
         )
         self.router.local_server = self.server
+        self.router.on_event = self.events.emit
         setattr(module, self._pipeline_name, RemotePipeline(self.router, self.compression, self.microbatches))
+        self._watch_swarm(rebalance=fitting and self.server is not None and self.rebalance_period > 0)
 
     def _partition(self, module: LightningModule) -> None:
         """Balance the stages, keep this peer's stage and drop the other blocks (never allocated on meta)."""
@@ -381,22 +417,30 @@ class SwarmStrategy(Strategy):
                 f"build the model anew, or reuse the same Trainer for validate/test/predict"
             )
         self._pipeline_name = partitioning.find_pipeline(module, self.pipeline)
-        pipeline = getattr(module, self._pipeline_name)
-        self._spans = partitioning.balance_by_parameters(list(pipeline), self.num_stages)
+        self._blueprint = getattr(module, self._pipeline_name)
+        self._spans = partitioning.balance_by_parameters(list(self._blueprint), self.num_stages)
         if self.role != "drive":
             self.served_stage = self._choose_stage()
-            self._stage_module = partitioning.stage_module(pipeline, self._spans[self.served_stage])
-            _materialize_meta_tensors(self._stage_module, self.root_device)
-            self._stage_module.to(self.root_device)
+        for span in self._spans:
+            if span.index != self.served_stage:
+                partitioning.stage_module(self._blueprint, span).to("meta")  # keeps their shapes, frees their memory
+        if self.served_stage is not None:
+            self._stage_module = self._materialize_stage(self.served_stage)
         setattr(module, self._pipeline_name, nn.Identity())  # placeholder until the RemotePipeline takes its place
         _materialize_meta_tensors(module, self.root_device)  # the local modules, if built on the meta device
 
+    def _materialize_stage(self, stage: int) -> nn.Module:
+        """The blocks of ``stage`` on this peer's device (freshly initialised if they were on the meta device)."""
+        blocks = partitioning.stage_module(self._blueprint, self._spans[stage])
+        _materialize_meta_tensors(blocks, self.root_device)
+        return blocks.to(self.root_device)
+
     def _choose_stage(self) -> int:
+        """The given stage, else a bottleneck stage: the lowest summed throughput (a stage without peers first)."""
         if self.stage is not None:
             return self.stage
-        counts = [len(peers) for peers in discovery.fetch_swarm(self.node, self.run_id, self.num_stages)]
-        fewest = min(counts)
-        return random.Random().choice([k for k, count in enumerate(counts) if count == fewest])  # OS-seeded
+        lowest = rebalancing.bottleneck(discovery.fetch_swarm(self.node, self.run_id, self.num_stages))
+        return random.Random().choice(lowest)  # OS-seeded
 
     def _build_stage_optimizer(self, trainer: Trainer) -> Any:
         """The user's optimizer (class and per-group hyper-parameters) over this stage's parameters.
@@ -440,6 +484,7 @@ class SwarmStrategy(Strategy):
             max_activation_bytes=self.max_activation_bytes,
             activation_timeout=self.activation_timeout,
             checkpoint_activations=self.checkpoint_activations,
+            throttle=self.throttle,
         )
         self._announcer = self._make_announcer()
         self._announcer.announce(self._record(PeerState.JOINING))
@@ -463,17 +508,121 @@ class SwarmStrategy(Strategy):
 
     def _stage_step(self, batch_size: int) -> None:
         """Runs on the stage worker after each backward: accumulate, and step once the stage reached its target."""
+        epoch = self._stage_optimizer.local_epoch
         self._stage_optimizer.step(batch_size=batch_size)
         self._stage_optimizer.zero_grad()
+        if self._stage_optimizer.local_epoch > epoch:
+            self.events.emit(StageStep(self.served_stage, self._stage_optimizer.local_epoch))
+
+    def _stop_serving(self, grace: float = 10.0) -> None:
+        """Leave the served stage gracefully: announce it, give routers time to notice while the requests already
+        sent are answered (at most ``grace`` seconds), then stop the server and the stage optimizer."""
+        if self._announcer is not None:
+            self._announcer.stop(final=self._record(PeerState.LEAVING))
+            self._announcer = None
+        noticed = time.monotonic() + min(2.0, self.update_period) + 0.5  # routers re-read records this often
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and (time.monotonic() < noticed or self.server.busy()):
+            time.sleep(0.1)
+        with contextlib.suppress(Exception):
+            self.node.run(self.server.remove_p2p_handlers(self.node.p2p, namespace=self.run_id), timeout=5)
+        self.server.shutdown()
+        self.server = None
+        if self.router is not None:
+            self.router.local_server = None
+        if self._stage_optimizer is not None:
+            self._stage_optimizer.shutdown()
+            self._stage_optimizer = None
+
+    def _watch_swarm(self, rebalance: bool) -> None:
+        """Follow the swarm's records (for events and metrics) and, if asked, rebalance this peer."""
+        self._watcher = discovery.SwarmWatcher(
+            self.node, self.run_id, self.num_stages, self.update_period, self._on_swarm_change
+        )
+        self._watcher.start()
+        if rebalance:
+            self._rebalancer = Rebalancer(
+                str(self.node.peer_id), self.rebalance_period, lambda: self._watcher.latest, self._request_move
+            )
+            self._rebalancer.start()
+
+    def _on_swarm_change(
+        self, kind: str, peer: str, before: Optional[PeerRecord], after: Optional[PeerRecord]
+    ) -> None:
+        if kind == "joined":
+            self.events.emit(PeerJoined(peer, after.stage))
+        elif kind == "left":
+            self.events.emit(PeerLeft(peer, before.stage, "announced" if after is not None else "record expired"))
+        elif peer != str(self.node.peer_id) and before.stage is not None and after.stage is not None:
+            self.rebalances += 1  # this peer's own moves are counted (with their reason) where they happen
+            self.events.emit(StageChanged(peer, before.stage, after.stage, "seen in the swarm's records"))
+
+    def _request_move(self, move: Move, plan: Plan) -> None:
+        with self._move_lock:
+            self._pending_move = (move, plan)
+
+    def _service(self) -> None:
+        """On the training (or serving) thread, between steps: carry out a planned move, then hand the queued
+        swarm events to the callbacks."""
+        with self._move_lock:
+            pending, self._pending_move = self._pending_move, None
+        if pending is not None and not self._stop_requested.is_set():
+            self._move(*pending)
+        dispatch(self.lightning_module.trainer, self.events.drain())
+
+    def _move(self, move: Move, plan: Plan) -> None:
+        """Serve ``move.to_stage`` instead: leave the current stage gracefully, take the new stage's blocks, and
+        download its parameters, optimizer state and step from a live peer of it before serving."""
+        if self.served_stage != move.from_stage or self.server is None:
+            return
+        self._rebalancer.paused.set()
+        try:
+            self._announcer.announce(self._record(PeerState.JOINING, stage=move.to_stage))  # a move, not a departure
+            self._stop_serving()
+            self._stage_module.to("meta")
+            self.served_stage = move.to_stage
+            self._stage_module = self._materialize_stage(move.to_stage)
+            self._stage_optimizer = self._build_stage_optimizer(self.lightning_module.trainer)
+            self._start_server()
+            self.router.local_server = self.server
+        finally:
+            self._rebalancer.moved()
+            self._rebalancer.paused.clear()
+        self.rebalances += 1
+        reason = f"stage {move.to_stage} is the bottleneck ({plan.current:.1f} samples/s swarm throughput)"
+        self.events.emit(StageChanged(str(self.node.peer_id), move.from_stage, move.to_stage, reason, plan.gain))
+
+    def swarm_metrics(self) -> dict[str, float]:
+        """The swarm as this peer sees it, for :class:`~lightning_swarm.callbacks.SwarmMonitor`."""
+        view = self._watcher.latest if self._watcher is not None and self._watcher.latest is not None else []
+        serving = [[r for r in stage.values() if r.state == PeerState.SERVING] for stage in view]
+        peers = {r.peer_id for stage in serving for r in stage} | set(self._watcher.drivers if self._watcher else ())
+        optimizer = self._stage_optimizer or (self.optimizers[0] if self.optimizers else None)
+        stats = self.router.stats if self.router is not None else None
+        metrics = {
+            "stage": float(-1 if self.served_stage is None else self.served_stage),
+            "peers": float(len(peers)),
+            "step": float(getattr(optimizer, "local_epoch", 0)),
+            "queue": float(self.server.info()["queued_samples"] if self.server is not None else 0),
+            "bytes_sent": float(stats.bytes_sent if stats else 0),
+            "bytes_received": float(stats.bytes_received if stats else 0),
+            "compression_ratio": float(stats.raw_bytes_sent / stats.bytes_sent if stats and stats.bytes_sent else 1),
+            "failovers": float(stats.failovers if stats else 0),
+            "rebalances": float(self.rebalances),
+        }
+        for k, stage in enumerate(serving):
+            metrics[f"stage{k}_throughput"] = float(sum(r.throughput for r in stage))
+            metrics[f"stage{k}_peers"] = float(len(stage))
+        return metrics
 
     def _make_announcer(self) -> Announcer:
         return Announcer(self.node, self.run_id, lambda: self._record(PeerState.SERVING), self.update_period)
 
-    def _record(self, state: PeerState) -> PeerRecord:
-        info = self.server.info() if self.server is not None else {}
+    def _record(self, state: PeerState, stage: Optional[int] = None) -> PeerRecord:
+        info = self.server.info() if self.server is not None and stage is None else {}
         return PeerRecord(
             str(self.node.peer_id),
-            self.served_stage,
+            self.served_stage if stage is None else stage,
             state,
             info.get("throughput", 0.0),
             info.get("queued_samples", 0),
@@ -535,7 +684,8 @@ class SwarmStrategy(Strategy):
 
     def _serve_until_stopped(self, trainer: Trainer) -> None:
         log.warning("Serving until this process receives SIGTERM or SIGINT")
-        self._stop_requested.wait()
+        while not self._stop_requested.wait(0.5):
+            self._service()
         trainer.should_stop = True
 
     def _linger(self) -> None:
@@ -549,6 +699,7 @@ class SwarmStrategy(Strategy):
                 others = {"unknown"}
             if not others:
                 return
+            self._service()
             time.sleep(self.update_period / 2)
 
     def _install_signal_handlers(self) -> None:

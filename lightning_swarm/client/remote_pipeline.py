@@ -112,7 +112,7 @@ class RemotePipeline(nn.Module):
 
     def _backward_stage(self, stage: int, grad: torch.Tensor, route: Route) -> torch.Tensor:
         """Backward on the peer that kept the forward; else recompute on a peer of the stage from the input."""
-        peer, failed = route.peers[stage], False
+        peer, failed = route.peers[stage], None
         if route.keys[stage] is not None:
             try:
                 return self._call(stage, "backward", [grad], prefer=peer, failover=False, kept=route.keys[stage])[0]
@@ -122,10 +122,11 @@ class RemotePipeline(nn.Module):
                 pass  # that peer is alive but dropped the graph: let it recompute
             except Exception as e:
                 log.warning("Stage %d: backward on %s failed (%r): recomputing on another peer", stage, peer, e)
-                peer, failed = None, True
+                peer, failed = None, e
             self.router.stats.recomputed += 1
-        grad, _ = self._call(stage, "backward", [route.inputs[stage], grad], prefer=peer)
-        self.router.stats.failovers += failed
+        grad, retried_on = self._call(stage, "backward", [route.inputs[stage], grad], prefer=peer)
+        if failed is not None:
+            self.router.failed_over(stage, "backward", route.peers[stage], retried_on, failed)
         return grad
 
     def _call(
@@ -139,6 +140,7 @@ class RemotePipeline(nn.Module):
     ) -> tuple[torch.Tensor, str]:
         """Encode, call ``method`` of ``stage`` (only on ``prefer`` without failover), decode the reply."""
         messages = [compression.serialize(t, self.codec) for t in tensors]
+        self.router.stats.raw_bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
         metadata = {"codec": self.codec, "train": self.training, **metadata}
         batch = int(tensors[0].shape[0]) if tensors[0].ndim else 1
         if failover:

@@ -8,25 +8,28 @@ proportional to that time: idle peers share the work in proportion to their thro
 not measured yet, or not for ``remeasure_after`` seconds, is assumed as fast as the fastest measured one, so that
 newcomers and peers once slow get tried (and measured) again.
 A failed or timed-out call bans the peer for a while and the work goes to another peer of the same stage; after
-``max_retries`` failed attempts the stage is reported as unavailable.
+``max_retries`` failed attempts the stage is reported as unavailable. A stage with no usable peer at all (none in
+the DHT, or all banned) is waited for, with a log line every ``WAIT_LOG_PERIOD`` seconds, for up to
+``stage_wait_timeout`` seconds before it is reported as unavailable.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from hivemind.p2p import P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout
 
-from lightning_swarm import compression, discovery, protocol
+from lightning_swarm import compression, discovery, events, protocol
 from lightning_swarm.discovery import PeerRecord, PeerState
 from lightning_swarm.errors import ActivationsLostError, StageBusyError, StageUnavailableError, SwarmRequestError
 from lightning_swarm.node import SwarmNode
@@ -35,6 +38,7 @@ from lightning_swarm.server.stage_server import StageServer, stage_uid
 log = logging.getLogger(__name__)
 
 DEFAULT_THROUGHPUT = 1.0  # samples/s assumed while no peer of the stage has been measured: only ratios matter
+WAIT_LOG_PERIOD = 10.0  # seconds between two log lines about the same stage having no live peer
 
 
 @dataclass
@@ -60,7 +64,9 @@ class RouterStats:
     calls: int = 0
     failovers: int = 0
     recomputed: int = 0  # backward passes sent with the input again, because the forward's graph was not kept
-    bytes_sent: int = 0
+    bytes_sent: int = 0  # tensor payloads as sent (compressed)
+    bytes_received: int = 0
+    raw_bytes_sent: int = 0  # the same tensors uncompressed
     seconds: dict = field(default_factory=dict)  # stage -> seconds spent in successful calls to it
     chosen: dict = field(default_factory=dict)  # peer id -> number of calls sent there
     failed: dict = field(default_factory=dict)  # peer id -> number of those calls that failed
@@ -80,11 +86,15 @@ class StageRouter:
         refresh_period: float = 2.0,
         remeasure_after: float = 30.0,
         ema_alpha: float = 0.2,
+        stage_wait_timeout: float = 300.0,
     ) -> None:
         self.node, self.run_id, self.num_stages = node, run_id, num_stages
+        self.stage_wait_timeout = stage_wait_timeout
+        self._wait_logged_at: dict[int, float] = {}  # stage -> when "no live peer" was last logged
         self.request_timeout, self.max_retries, self.ban_timeout = request_timeout, max_retries, ban_timeout
         self.refresh_period, self.remeasure_after, self.ema_alpha = refresh_period, remeasure_after, ema_alpha
         self.stats = RouterStats()
+        self.on_event: Optional[Callable[[events.SwarmEvent], None]] = None  # receives Failover events
         self.local_server: Optional[StageServer] = None  # this peer's own stage server, called without the network
         self._peers: list[dict[str, PeerLoad]] = [{} for _ in range(num_stages)]
         self._refreshed_at = [0.0] * num_stages
@@ -138,33 +148,77 @@ class StageRouter:
         batch: int,
         prefer: Optional[str] = None,
     ) -> tuple[list[runtime_pb2.Tensor], str]:
-        """Run ``method`` of ``stage`` on some peer, failing over to others; returns the reply and the peer used."""
+        """Run ``method`` of ``stage`` on some peer, failing over to others; returns the reply and the peer used.
+
+        Peers that fail count towards ``max_retries``; while the stage has no usable peer at all, this waits for one
+        (up to ``stage_wait_timeout`` seconds) instead.
+        """
         tried: list[str] = []
         last_error: Optional[BaseException] = None
-        for attempt in range(self.max_retries + 1):
-            peer = prefer if attempt == 0 and prefer is not None else None
+        failures, waiting_since = 0, None
+        while True:
+            peer = prefer if failures == 0 and waiting_since is None and prefer is not None else None
             peer = peer or self.choose(stage, batch, exclude=frozenset(tried))
             if peer is None:
                 self.refresh(stage, force=True)
                 peer = self.choose(stage, batch, exclude=frozenset(tried))
-            if peer is None:
-                time.sleep(min(0.5 * 2**attempt, 5.0))  # wait for a peer to (re)appear in the DHT
+            if peer is None and tried:
+                # every usable peer was tried: after a pause, those not banned (e.g. busy) may be tried again
+                time.sleep(min(0.5 * 2 ** (failures - 1), 5.0))
                 tried.clear()
+                peer = self.choose(stage, batch)
+            if peer is None:
+                waiting_since = waiting_since or time.monotonic()
+                self._wait_for_peer(stage, waiting_since, last_error)
                 continue
+            waiting_since = None
             try:
                 reply = self.call_peer(stage, peer, method, tensors, metadata, batch)
-                if attempt > 0 and last_error is not None:
-                    self.stats.failovers += 1
+                if last_error is not None:
+                    self.failed_over(stage, method, tried[-1], peer, last_error)
                 return reply, peer
             except (SwarmRequestError, ActivationsLostError):
                 raise
             except Exception as e:
                 last_error = e
                 tried.append(peer)
-        raise StageUnavailableError(
-            f"Stage {stage} of run {self.run_id!r} has no live peer: {self.max_retries + 1} attempts failed "
-            f"(peers tried: {tried or 'none found'}; last error: {last_error!r})"
-        )
+                failures += 1
+                if failures > self.max_retries:
+                    raise StageUnavailableError(
+                        f"Stage {stage} of run {self.run_id!r}: {failures} attempts on its peers failed "
+                        f"(peers tried: {tried}; last error: {e!r})"
+                    ) from None
+
+    def failed_over(self, stage: int, method: str, failed: str, retried_on: str, error: BaseException) -> None:
+        """Count a microbatch retried on another peer, and report it to ``on_event``."""
+        self.stats.failovers += 1
+        if self.on_event is not None:
+            self.on_event(events.Failover(stage, method, failed, retried_on, repr(error)))
+
+    def _wait_for_peer(self, stage: int, since: float, last_error: Optional[BaseException]) -> None:
+        """Sleep a little while ``stage`` has no usable peer; raise once it had none for ``stage_wait_timeout``."""
+        now = time.monotonic()
+        waited = now - since
+        if waited >= self.stage_wait_timeout:
+            raise StageUnavailableError(
+                f"Stage {stage} of run {self.run_id!r} has had no live peer for {waited:.0f}s "
+                f"(stage_wait_timeout={self.stage_wait_timeout:g}s): start a peer that serves stage {stage}, or "
+                f"raise stage_wait_timeout (SWARM_STAGE_WAIT_TIMEOUT)"
+                + (f"; last error: {last_error!r}" if last_error is not None else "")
+            )
+        with self._lock:
+            should_log = now - self._wait_logged_at.get(stage, -math.inf) >= WAIT_LOG_PERIOD
+            if should_log:
+                self._wait_logged_at[stage] = now
+        if should_log:
+            log.warning(
+                "Stage %d of run %r has no live peer: waiting for one to serve it (%.0fs so far, giving up after %gs)",
+                stage,
+                self.run_id,
+                waited,
+                self.stage_wait_timeout,
+            )
+        time.sleep(min(1.0, max(0.05, self.stage_wait_timeout - waited)))
 
     def call_peer(
         self, stage: int, peer: str, method: str, tensors: list, metadata: dict, batch: int
@@ -201,6 +255,7 @@ class StageRouter:
                     load.in_flight -= batch
         elapsed = time.perf_counter() - start
         with self._lock:
+            self.stats.bytes_received += protocol.payload_bytes(reply)
             self.stats.seconds[stage] = self.stats.seconds.get(stage, 0.0) + elapsed
             if load is not None:
                 measured, now = batch / max(elapsed, 1e-6), time.monotonic()

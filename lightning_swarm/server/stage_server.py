@@ -56,6 +56,9 @@ class StageServer(ServicerBase):
         activation_timeout: seconds such a graph is kept at most.
         checkpoint_activations: keep only each block's input and recompute the block in backward (activation
             checkpointing), so that many microbatches in flight cost little memory.
+        throttle: slow this peer down on purpose by this factor (after each request the worker waits
+            ``throttle - 1`` times the request's compute time), to show or test a swarm of unequal peers on one
+            machine. Default 1: full speed.
     """
 
     def __init__(
@@ -73,12 +76,16 @@ class StageServer(ServicerBase):
         max_activation_bytes: int = 2**30,
         activation_timeout: float = 120.0,
         checkpoint_activations: bool = False,
+        throttle: float = 1.0,
     ) -> None:
+        if throttle < 1:
+            raise ValueError(f"throttle must be at least 1 (a slowdown factor), got {throttle}")
         self.run_id, self.stage, self.uid = run_id, stage, stage_uid(run_id, stage)
         self.module, self.device, self.on_backward = module, device, on_backward
         self.on_idle, self.idle_period, self.describe = on_idle, idle_period, describe
         self.max_request_bytes, self.checkpoint_activations = max_request_bytes, checkpoint_activations
         self.kept = KeptActivations(max_activation_bytes, activation_timeout)
+        self.throttle = throttle
         self.params = [p for p in module.parameters() if p.requires_grad]
         floating = [p.dtype for p in module.parameters() if p.is_floating_point()]
         self.dtype = floating[0] if floating else torch.get_default_dtype()
@@ -237,6 +244,8 @@ class StageServer(ServicerBase):
             except Exception as e:  # a failing module call is the request's fault (shape, content), not ours
                 future.set_exception(SwarmRequestError(f"stage {self.stage} {kind} failed: {e!r}"))
             else:
+                if self.throttle > 1:
+                    time.sleep((self.throttle - 1) * (time.perf_counter() - start))
                 self.throughput.update(batch, interval=time.perf_counter() - start)
                 future.set_result(output)
 
@@ -307,6 +316,10 @@ class StageServer(ServicerBase):
         if self.on_backward is not None:
             self.on_backward(int(inputs.shape[0]))
         return grads[0]
+
+    def busy(self) -> bool:
+        """Whether requests are queued or being computed."""
+        return self._tasks.qsize() > 0 or self.lock.locked()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A copy of the stage's current state (stage-local keys), taken between two requests."""

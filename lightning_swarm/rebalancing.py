@@ -1,0 +1,244 @@
+"""Adaptive rebalancing (SWARM section 3.2): peers move from stages with spare capacity to the bottleneck stage.
+
+The swarm trains as fast as its slowest stage, whose capacity is the summed throughput of its peers. Every
+``period`` seconds each serving peer reads the swarm's records and computes the same plan:
+
+1. From the current allocation, repeatedly take the move (one peer to another stage, or two peers of different
+   stages swapping) that best raises the stage capacities sorted from lowest to highest (lexicographically: first
+   the bottleneck, then the next), until none raises them. A stage with no peer has capacity 0, so it is refilled
+   first. Swaps matter between unequal peers: a fast peer and a slow one trading places.
+2. The plan is carried out only if its predicted swarm throughput (the lowest stage capacity after all its
+   moves) beats the current one by ``margin`` (10% by default): small, noisy differences never move anyone.
+3. In one round at most one peer leaves each stage: the first planned peer whose stage at the end of the plan
+   differs from its stage now. Moves out of the same stage wait for later rounds, planned again from fresh records.
+
+Every peer computes the plan from the same records with the same tie-breaks (peer ids hashed with the round
+number), so peers agree on who moves without a coordinator, and only the chosen peers move. A peer that moved
+does not move again for ``cooldown`` seconds. Peers that are joining count at their stage but do not move;
+peers that are leaving do not count. A peer whose throughput is not measured yet counts as the median peer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+from lightning_swarm.discovery import PeerRecord, PeerState
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MARGIN = 0.1
+
+
+@dataclass(frozen=True)
+class Move:
+    peer_id: str
+    from_stage: int
+    to_stage: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """This round's moves, and the swarm throughput (samples/s) now and once the whole plan is carried out."""
+
+    moves: tuple[Move, ...]
+    current: float
+    planned: float
+
+    @property
+    def gain(self) -> float:
+        """Predicted throughput after the plan over the throughput now (infinite for a stage without peers)."""
+        return self.planned / self.current if self.current > 0 else float("inf")
+
+    def move_of(self, peer_id: str) -> Optional[Move]:
+        return next((m for m in self.moves if m.peer_id == peer_id), None)
+
+
+def capacities(allocation: dict[str, int], throughput: dict[str, float], num_stages: int) -> list[float]:
+    """Each stage's summed throughput."""
+    totals = [0.0] * num_stages
+    for peer, stage in allocation.items():
+        totals[stage] += throughput[peer]
+    return totals
+
+
+def best_allocation(throughput: dict[str, float], num_stages: int) -> float:
+    """The highest swarm throughput any allocation of these peers reaches (exhaustive; for small swarms)."""
+    peers = sorted(throughput, key=throughput.get, reverse=True)
+    best = 0.0
+
+    def place(i: int, totals: list[float]) -> None:
+        nonlocal best
+        if i == len(peers):
+            best = max(best, min(totals))
+            return
+        seen = set()
+        for k in range(num_stages):
+            if totals[k] in seen:  # stages with equal totals are interchangeable
+                continue
+            seen.add(totals[k])
+            totals[k] += throughput[peers[i]]
+            place(i + 1, totals)
+            totals[k] -= throughput[peers[i]]
+
+    place(0, [0.0] * num_stages)
+    return best
+
+
+def make_plan(swarm: list[dict[str, PeerRecord]], round_: int = 0, margin: float = DEFAULT_MARGIN) -> Plan:
+    """The plan every peer computes from the same records (see the module docstring)."""
+    num_stages = len(swarm)
+    records = _present(swarm)
+    throughput = _estimated_throughput(records)
+    allocation = {r.peer_id: r.stage for r in records}
+    movable = sorted(
+        (r.peer_id for r in records if r.state == PeerState.SERVING), key=lambda peer: _tiebreak(peer, round_)
+    )
+    totals = capacities(allocation, throughput, num_stages)
+    current, start = min(totals), dict(allocation)
+
+    planned: list[Move] = []
+    for _ in range(2 * len(movable)):
+        best: Optional[tuple[list[float], list[Move]]] = None
+        for moves in _candidates(movable, allocation, num_stages):
+            after = list(totals)
+            for move in moves:
+                after[move.from_stage] -= throughput[move.peer_id]
+                after[move.to_stage] += throughput[move.peer_id]
+            if _raises(after, totals) and (best is None or _raises(after, best[0])):
+                best = (after, moves)
+        if best is None:
+            break
+        totals, moves = best
+        for move in moves:
+            allocation[move.peer_id] = move.to_stage
+        planned.extend(moves)
+
+    if not planned or (current > 0 and min(totals) < current * (1 + margin)):
+        return Plan((), current, current)
+    first_out: dict[int, Move] = {}  # net moves (a peer may move twice in the plan), in the order planned
+    for peer in dict.fromkeys(move.peer_id for move in planned):
+        if allocation[peer] != start[peer]:
+            first_out.setdefault(start[peer], Move(peer, start[peer], allocation[peer]))
+    return Plan(tuple(first_out.values()), current, min(totals))
+
+
+def bottleneck(swarm: list[dict[str, PeerRecord]]) -> list[int]:
+    """The stages with the lowest capacity (a newcomer joins one of them); stages without peers come first."""
+    records = _present(swarm)
+    totals = capacities({r.peer_id: r.stage for r in records}, _estimated_throughput(records), len(swarm))
+    return [k for k, total in enumerate(totals) if total <= min(totals) * (1 + 1e-9)]
+
+
+def _present(swarm: list[dict[str, PeerRecord]]) -> list[PeerRecord]:
+    return [r for stage in swarm for r in stage.values() if r.state != PeerState.LEAVING and r.stage is not None]
+
+
+def _estimated_throughput(records: list[PeerRecord]) -> dict[str, float]:
+    """Each peer's throughput; the median of the measured ones for a peer not measured yet."""
+    measured = [r.throughput for r in records if r.throughput > 0]
+    median = statistics.median(measured) if measured else 1.0
+    return {r.peer_id: r.throughput if r.throughput > 0 else median for r in records}
+
+
+def _candidates(movable: list[str], allocation: dict[str, int], num_stages: int) -> Iterator[list[Move]]:
+    """Single moves of one peer to another stage, then swaps of two peers of different stages."""
+    for peer in movable:
+        for target in range(num_stages):
+            if target != allocation[peer]:
+                yield [Move(peer, allocation[peer], target)]
+    for i, peer in enumerate(movable):
+        for other in movable[i + 1 :]:
+            if allocation[peer] != allocation[other]:
+                yield [Move(peer, allocation[peer], allocation[other]), Move(other, allocation[other], allocation[peer])]
+
+
+def _raises(after: list[float], before: list[float], tolerance: float = 1e-9) -> bool:
+    """Whether ``after``'s capacities, sorted from the lowest, beat ``before``'s lexicographically."""
+    for a, b in zip(sorted(after), sorted(before)):
+        if a > b * (1 + tolerance) + tolerance:
+            return True
+        if a < b * (1 - tolerance) - tolerance:
+            return False
+    return False
+
+
+def _tiebreak(peer_id: str, round_: int) -> str:
+    return hashlib.sha256(f"{round_}:{peer_id}".encode()).hexdigest()
+
+
+class Rebalancer:
+    """A daemon thread that makes the plan every ``period`` seconds and asks this peer to move when it is chosen.
+
+    Rounds are aligned to the clock (``time.time() // period``) so that peers plan from about the same records;
+    each peer plans a little after the round starts (a random fraction of the period), once records settled.
+
+    Args:
+        read_swarm: the swarm's latest records, one dict per stage.
+        request_move: called with this peer's move and the plan; moving is the caller's job (on its own thread).
+    """
+
+    def __init__(
+        self,
+        peer_id: str,
+        period: float,
+        read_swarm: Callable[[], Optional[list[dict[str, PeerRecord]]]],
+        request_move: Callable[[Move, Plan], None],
+        margin: float = DEFAULT_MARGIN,
+        cooldown: Optional[float] = None,
+    ) -> None:
+        self.peer_id, self.period, self.margin = peer_id, period, margin
+        self.cooldown = 2 * period if cooldown is None else cooldown
+        self.read_swarm, self.request_move = read_swarm, request_move
+        self.moved_at = -float("inf")
+        self.paused = threading.Event()  # set while the peer must not move (e.g. it is moving, or leaving)
+        self._stop = threading.Event()
+        self._rng = random.Random()
+        self._thread = threading.Thread(target=self._run, name="swarm-rebalancer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def moved(self) -> None:
+        self.moved_at = time.monotonic()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._until_next_round()):
+            try:
+                self.tick(int(time.time() // self.period))
+            except Exception as e:  # a failed round is skipped; the next one reads fresh records
+                log.warning("Rebalancing round failed: %r", e)
+
+    def _until_next_round(self) -> float:
+        return self.period - time.time() % self.period + self._rng.uniform(0.2, 0.4) * self.period
+
+    def tick(self, round_: int) -> Optional[Move]:
+        """Plan one round; returns (and requests) this peer's move if it is chosen and free to move."""
+        if self.paused.is_set() or time.monotonic() - self.moved_at < self.cooldown:
+            return None
+        swarm = self.read_swarm()
+        if not swarm:
+            return None
+        plan = make_plan(swarm, round_, self.margin)
+        move = plan.move_of(self.peer_id)
+        if move is not None:
+            log.warning(
+                "Rebalancing: moving from stage %d to stage %d (swarm throughput %.1f -> %.1f samples/s planned)",
+                move.from_stage,
+                move.to_stage,
+                plan.current,
+                plan.planned,
+            )
+            self.request_move(move, plan)
+        return move

@@ -1,0 +1,139 @@
+"""The rebalancing plan, in-process: which peers move, when, and whether peers agree without a coordinator."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lightning_swarm.discovery import PeerRecord, PeerState
+from lightning_swarm.rebalancing import Plan, Rebalancer, best_allocation, bottleneck, capacities, make_plan
+
+
+def records(allocation: dict[str, int], throughput: dict[str, float], num_stages: int, **states) -> list[dict]:
+    swarm = [{} for _ in range(num_stages)]
+    for peer, stage in allocation.items():
+        swarm[stage][peer] = PeerRecord(peer, stage, states.get(peer, PeerState.SERVING), throughput[peer], 0)
+    return swarm
+
+
+def rebalance(allocation: dict[str, int], throughput: dict[str, float], num_stages: int, rounds: int) -> list[Plan]:
+    """Carry out ``rounds`` rounds of plans on ``allocation`` (in place), as the chosen peers would."""
+    plans = []
+    for round_ in range(rounds):
+        plan = make_plan(records(allocation, throughput, num_stages), round_)
+        for move in plan.moves:
+            assert allocation[move.peer_id] == move.from_stage
+            allocation[move.peer_id] = move.to_stage
+        plans.append(plan)
+    return plans
+
+
+def swarm_throughput(allocation: dict[str, int], throughput: dict[str, float], num_stages: int) -> float:
+    return min(capacities(allocation, throughput, num_stages))
+
+
+def test_skewed_start_reaches_the_best_allocation_in_two_rounds_and_stays():
+    allocation = {"a": 0, "b": 0, "c": 0, "d": 0, "e": 1, "f": 2}
+    throughput = dict.fromkeys(allocation, 10.0)
+    first, second, *steady = rebalance(allocation, throughput, 3, rounds=6)
+    assert len(first.moves) == 1 and first.moves[0].from_stage == 0  # one mover per stage per round
+    assert (first.current, first.planned) == (10.0, 20.0) and first.gain == 2.0
+    assert len(second.moves) == 1
+    assert sorted(allocation.values()) == [0, 0, 1, 1, 2, 2]
+    assert all(not plan.moves for plan in steady)
+
+
+def test_unequal_peers_reach_90_percent_of_the_best_allocation():
+    rng = random.Random(0)
+    for trial in range(50):
+        num_stages = rng.randint(2, 4)
+        peers = [f"p{i}" for i in range(rng.randint(num_stages, 9))]
+        throughput = {p: rng.choice([1.0, 3.0, 10.0]) * rng.uniform(0.9, 1.1) for p in peers}
+        allocation = {p: 0 if rng.random() < 0.6 else rng.randrange(num_stages) for p in peers}  # skewed
+        moved = {p: 0 for p in peers}
+        for plan in rebalance(allocation, throughput, num_stages, rounds=3 * len(peers)):
+            for move in plan.moves:
+                moved[move.peer_id] += 1
+        best = best_allocation(throughput, num_stages)
+        assert swarm_throughput(allocation, throughput, num_stages) >= 0.9 * best - 1e-9, trial
+        assert not rebalance(dict(allocation), throughput, num_stages, rounds=1)[0].moves  # settled: no one moves
+
+
+def test_small_differences_move_nobody():
+    allocation = {"a": 0, "b": 0, "c": 1, "d": 1}
+    throughput = {"a": 10.0, "b": 10.5, "c": 9.6, "d": 9.8}  # measurement noise, nothing to gain
+    assert not make_plan(records(allocation, throughput, 2)).moves
+    # a plan whose gain stays under the margin is not carried out either
+    allocation = {"a": 0, "b": 0, "c": 1}
+    throughput = {"a": 10.0, "b": 1.0, "c": 9.5}  # moving b: from 9.5 to 10, +5%
+    assert not make_plan(records(allocation, throughput, 2)).moves
+    assert make_plan(records(allocation, throughput, 2), margin=0.01).moves
+
+
+def test_every_peer_computes_the_same_plan_whatever_order_it_read_the_records_in():
+    allocation = {f"p{i}": 0 for i in range(5)} | {"q": 1, "r": 2}
+    throughput = dict.fromkeys(allocation, 5.0)
+    swarm = records(allocation, throughput, 3)
+    plans = set()
+    for seed in range(10):
+        shuffled = [dict(random.Random(seed).sample(list(stage.items()), len(stage))) for stage in swarm]
+        plans.add(make_plan(shuffled, round_=7))
+    assert len(plans) == 1
+    # another round hashes the ties otherwise, so that the same peer is not always the one sent away
+    movers = {make_plan(swarm, round_).moves[0].peer_id for round_ in range(20)}
+    assert len(movers) > 1
+
+
+def test_empty_stage_is_refilled_first_and_newcomers_join_the_bottleneck():
+    allocation = {"a": 0, "b": 0, "c": 0, "d": 2}
+    throughput = {"a": 10.0, "b": 10.0, "c": 10.0, "d": 1.0}
+    plan = make_plan(records(allocation, throughput, 3))
+    assert plan.current == 0.0 and plan.gain == float("inf")
+    assert [(m.from_stage, m.to_stage) for m in plan.moves] == [(0, 1)]
+    assert bottleneck(records(allocation, throughput, 3)) == [1]
+    assert bottleneck(records({"a": 0, "b": 1, "c": 1}, dict.fromkeys("abc", 1.0), 2)) == [0]
+
+
+def test_leaving_and_joining_peers():
+    allocation = {"a": 0, "b": 0, "c": 0, "d": 1}
+    throughput = dict.fromkeys(allocation, 10.0)
+    # b is leaving: it neither counts nor moves; c is joining: it counts but does not move
+    swarm = records(allocation, throughput, 2, b=PeerState.LEAVING, c=PeerState.JOINING)
+    assert make_plan(swarm).moves == ()  # a+c against d: balanced
+    swarm = records(allocation, throughput, 2, a=PeerState.JOINING, c=PeerState.JOINING)
+    assert [m.peer_id for m in make_plan(swarm).moves] == ["b"]  # the only serving peer of stage 0
+    # a peer not measured yet counts as the median peer
+    throughput["d"] = 0.0
+    assert make_plan(records(allocation, throughput, 2)).current == 10.0
+
+
+def test_rebalancer_moves_only_the_chosen_peer_and_then_cools_down():
+    allocation = {"a": 0, "b": 0, "c": 0, "d": 1}
+    swarm = records(allocation, dict.fromkeys(allocation, 10.0), 2)
+    chosen = make_plan(swarm, round_=3).moves[0].peer_id
+    requested = []
+    for peer in allocation:
+        rebalancer = Rebalancer(peer, 60.0, lambda: swarm, lambda move, plan: requested.append(move))
+        assert (rebalancer.tick(3) is not None) == (peer == chosen)
+    assert [m.peer_id for m in requested] == [chosen]
+    rebalancer = Rebalancer(chosen, 60.0, lambda: swarm, lambda move, plan: requested.append(move))
+    rebalancer.moved()
+    assert rebalancer.tick(3) is None  # cooling down
+    rebalancer.moved_at -= 121.0
+    rebalancer.paused.set()
+    assert rebalancer.tick(3) is None  # paused (e.g. while moving or leaving)
+    rebalancer.paused.clear()
+    assert rebalancer.tick(3) is not None
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+def test_best_allocation_is_exhaustive(num_stages):
+    rng = random.Random(num_stages)
+    throughput = {f"p{i}": rng.uniform(1, 10) for i in range(6)}
+    best = 0.0
+    peers = list(throughput)
+    for code in range(num_stages ** len(peers)):
+        allocation = {p: (code // num_stages**i) % num_stages for i, p in enumerate(peers)}
+        best = max(best, swarm_throughput(allocation, throughput, num_stages))
+    assert best_allocation(throughput, num_stages) == pytest.approx(best)
