@@ -155,7 +155,7 @@ class StageRouter:
         """
         tried: list[str] = []
         last_error: Optional[BaseException] = None
-        failures, waiting_since = 0, None
+        failures, waiting_since, failed_peer = 0, None, None
         while True:
             peer = prefer if failures == 0 and waiting_since is None and prefer is not None else None
             peer = peer or self.choose(stage, batch, exclude=frozenset(tried))
@@ -175,12 +175,12 @@ class StageRouter:
             try:
                 reply = self.call_peer(stage, peer, method, tensors, metadata, batch)
                 if last_error is not None:
-                    self.failed_over(stage, method, tried[-1], peer, last_error)
+                    self.failed_over(stage, method, failed_peer, peer, last_error)
                 return reply, peer
             except (SwarmRequestError, ActivationsLostError):
                 raise
             except Exception as e:
-                last_error = e
+                last_error, failed_peer = e, peer
                 tried.append(peer)
                 failures += 1
                 if failures > self.max_retries:

@@ -1,0 +1,88 @@
+"""A stage that loses its last peer: trainers wait for it (and say so), and give up only after stage_wait_timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+from conftest import SMALL_GPT
+from test_swarm import FAST
+
+WAIT_LINE = re.compile(r"Stage 1 of run '[^']+' has no live peer: waiting for one")
+
+
+def steps_done(path) -> int:
+    try:
+        with open(path) as f:
+            return json.load(f)["steps"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def start_and_kill_stage1(swarm, tmp_path, env: dict, steps: int):
+    """A trainer (stage 0) and the only stage-1 peer; once the trainer made progress, kill -9 the stage-1 peer
+    with its daemons."""
+    swarm.start("stage1", SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})
+    record = tmp_path / "trainer.json"
+    args = [*SMALL_GPT, "--max-steps", str(steps), "--history", str(record)]
+    swarm.start("trainer", args, env={**env, "SWARM_STAGE": "0"})
+    deadline = time.monotonic() + 120
+    while steps_done(record) < 5:  # History writes every 5 steps
+        assert time.monotonic() < deadline and swarm.peers["trainer"].alive(), swarm.peers["trainer"].log()[-3000:]
+        time.sleep(0.2)
+    os.killpg(swarm.peers["stage1"].process.pid, signal.SIGKILL)  # the peer and its p2pd: a machine lost
+    swarm.peers["stage1"].process.wait(timeout=30)
+    return record, time.monotonic()
+
+
+def test_trainer_waits_for_a_stage_with_no_peer_and_resumes(swarm, tmp_path):
+    """The only stage-1 peer dies: the trainer waits (logging it every 10 s, not more), a new stage-1 peer
+    starts, and the trainer finishes all its steps."""
+    env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "8", "SWARM_STAGE_WAIT_TIMEOUT": "120"}
+    steps = 40
+    record, killed_at = start_and_kill_stage1(swarm, tmp_path, env, steps)
+    trainer = swarm.peers["trainer"]
+    deadline = time.monotonic() + 60
+    while not WAIT_LINE.search(trainer.log()):
+        assert time.monotonic() < deadline and trainer.alive(), trainer.log()[-3000:]
+        time.sleep(0.2)
+    noticed = time.monotonic() - killed_at
+    time.sleep(12)  # long enough for a second wait line, and to see that it is not repeated every poll
+    assert trainer.alive(), trainer.log()[-3000:]
+    waited_steps = steps_done(record)
+
+    swarm.start("stage1_new", SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})
+    restarted_at = time.monotonic()
+    assert swarm.wait("trainer", timeout=300) == 0, trainer.log()[-3000:]
+    lines = WAIT_LINE.findall(trainer.log())
+    with open(record) as f:
+        final = json.load(f)
+    print(
+        f"stage wait: noticed {noticed:.1f}s after the kill, {len(lines)} wait line(s) over "
+        f"{restarted_at - killed_at:.0f}s without a stage-1 peer; finished {time.monotonic() - restarted_at:.1f}s "
+        f"after the new peer started"
+    )
+    assert final["steps"] == steps and waited_steps < steps
+    assert 2 <= len(lines) <= (restarted_at - killed_at) / 10 + 2
+
+
+def test_trainer_gives_up_after_stage_wait_timeout(swarm, tmp_path):
+    """With a short stage_wait_timeout, a trainer whose stage 1 has no peer stops with a clear
+    StageUnavailableError after about that time."""
+    timeout = 6.0
+    env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "8", "SWARM_STAGE_WAIT_TIMEOUT": str(timeout)}
+    env["SWARM_LINGER"] = "5"
+    _, killed_at = start_and_kill_stage1(swarm, tmp_path, env, steps=1000)
+    trainer = swarm.peers["trainer"]
+    code = swarm.wait("trainer", timeout=120)
+    took = time.monotonic() - killed_at
+    log = trainer.log()
+    print(f"stage wait timeout {timeout:g}s: the trainer exited {took:.1f}s after the kill")
+    assert code != 0
+    assert WAIT_LINE.search(log), log[-3000:]
+    assert re.search(r"StageUnavailableError: Stage 1 of run '[^']+' has had no live peer for \d+s", log), log[-3000:]
+    assert "stage_wait_timeout=6s" in log
+    assert timeout <= took < timeout + 60
