@@ -14,6 +14,9 @@ from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 
+from lightning_swarm import security
+from lightning_swarm.security import AccessPolicy
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -30,8 +33,10 @@ class SwarmNode:
         announce_maddrs: Sequence[str] = (),
         identity_path: Optional[str] = None,
         timeout: float = 30.0,
+        policy: Optional[AccessPolicy] = None,
     ) -> None:
         self.initial_peers = list(initial_peers)
+        self.policy = policy  # who may talk to this peer (allow-list, secret): see lightning_swarm.security
         self.host_maddrs = list(host_maddrs)
         self.announce_maddrs = list(announce_maddrs)
         self.identity_path = identity_path
@@ -54,7 +59,13 @@ class SwarmNode:
 
     def _create_dht(self) -> DHT:
         loopback_only = all(m.startswith("/ip4/127.") for m in self.host_maddrs)
+        validators = []
+        if self.policy is not None:
+            security.install_guard(self.policy)  # before the DHT process forks: it inherits the guard
+            if self.policy.key is not None:
+                validators.append(security.SecretRecordValidator(self.policy.key))
         return DHT(
+            record_validators=validators,
             initial_peers=self.initial_peers or None,
             start=True,
             host_maddrs=self.host_maddrs,

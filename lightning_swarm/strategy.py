@@ -36,7 +36,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from lightning_swarm import discovery, partitioning, rebalancing
+from lightning_swarm import discovery, partitioning, rebalancing, security
 from lightning_swarm.callbacks import dispatch
 from lightning_swarm.client.remote_pipeline import RemotePipeline
 from lightning_swarm.client.routing import StageRouter
@@ -47,6 +47,7 @@ from lightning_swarm.events import EventQueue, PeerJoined, PeerLeft, StageChange
 from lightning_swarm.node import LOOPBACK_MADDRS, SwarmNode
 from lightning_swarm.optimizer import restrict_to, swarm_optimizer
 from lightning_swarm.rebalancing import Move, Plan, Rebalancer
+from lightning_swarm.security import AccessPolicy
 from lightning_swarm.server.stage_server import StageServer
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,13 @@ class SwarmStrategy(Strategy):
             peers from other machines.
         announce_maddrs: multiaddrs other peers should dial (e.g. a public IP), when they differ from host_maddrs.
         identity_path: file holding this peer's private key, for a stable peer id (created if missing).
+        allowed_peers: peer ids (or files listing one per line) of the only peers this peer talks to: the stage
+            servers, the DHT and the averagers of this peer refuse every other caller. Needs ``identity_path``,
+            whose peer id must be on the list (``lightning_swarm.security.create_identity(path)`` returns it).
+            See docs/private_swarm.md. None: anyone who can reach the swarm may join.
+        secret: a secret shared by the swarm's peers: DHT records and stage requests must carry an HMAC under it.
+            Prefer ``secret_path`` (a secret given as an argument may end up in logs or configs).
+        secret_path: file holding the swarm's secret (its bytes, surrounding whitespace stripped).
         address_file: if set, this peer writes its multiaddrs there (one per line) once it is reachable.
         matchmaking_time: seconds peers spend forming an all-reduce group before a step. Default 5.
         averaging_timeout: seconds after which an all-reduce gives up and the peer steps with its own gradients.
@@ -142,6 +150,9 @@ class SwarmStrategy(Strategy):
         host_maddrs: Optional[Union[str, list[str]]] = None,
         announce_maddrs: Optional[Union[str, list[str]]] = None,
         identity_path: Optional[str] = None,
+        allowed_peers: Optional[Union[str, list[str]]] = None,
+        secret: Optional[str] = None,
+        secret_path: Optional[str] = None,
         address_file: Optional[str] = None,
         matchmaking_time: Optional[float] = None,
         averaging_timeout: Optional[float] = None,
@@ -184,6 +195,9 @@ class SwarmStrategy(Strategy):
         self.host_maddrs = _setting("host_maddrs", host_maddrs, _as_list, list(LOOPBACK_MADDRS))
         self.announce_maddrs = _setting("announce_maddrs", announce_maddrs, _as_list, [])
         self.identity_path = _setting("identity_path", identity_path, str, None)
+        self.allowed_peers = _setting("allowed_peers", allowed_peers, _as_list, None)
+        self.secret = _setting("secret", secret, str, None)
+        self.secret_path = _setting("secret_path", secret_path, str, None)
         self.address_file = _setting("address_file", address_file, str, None)
         self.matchmaking_time = _setting("matchmaking_time", matchmaking_time, float, 5.0)
         self.averaging_timeout = _setting("averaging_timeout", averaging_timeout, float, 30.0)
@@ -268,7 +282,9 @@ class SwarmStrategy(Strategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._install_signal_handlers()
-        self.node = SwarmNode(self.initial_peers, self.host_maddrs, self.announce_maddrs, self.identity_path).start()
+        self.node = SwarmNode(
+            self.initial_peers, self.host_maddrs, self.announce_maddrs, self.identity_path, policy=self._access_policy()
+        ).start()
         addresses = self.node.visible_maddrs()
         if self.address_file:
             with open(self.address_file + ".tmp", "w") as f:
@@ -278,6 +294,25 @@ class SwarmStrategy(Strategy):
         log.warning(
             "Swarm %r %s. Other peers join with:\n  SWARM_INITIAL_PEERS=%s", self.run_id, joined, ",".join(addresses)
         )
+
+    def _access_policy(self) -> Optional[AccessPolicy]:
+        """Who may talk to this peer, from ``allowed_peers``, ``secret`` and ``secret_path`` (None: anyone)."""
+        secret: Optional[Union[str, bytes]] = self.secret
+        if self.secret_path:
+            with open(self.secret_path, "rb") as f:
+                secret = f.read().strip()
+            if not secret:
+                raise ValueError(f"secret_path={self.secret_path!r} is empty")
+        policy = AccessPolicy.create(self.allowed_peers, secret)
+        if policy is not None and policy.allowed is not None:
+            if not self.identity_path:
+                raise ValueError("allowed_peers needs identity_path: this peer's stable identity, which must be listed")
+            own = security.create_identity(self.identity_path)
+            if own not in policy.allowed:
+                raise ValueError(f"This peer's id {own} (identity_path={self.identity_path!r}) is not on allowed_peers")
+        if policy is not None:
+            log.warning("Private swarm: %r", policy)
+        return policy
 
     @contextlib.contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
@@ -485,6 +520,7 @@ class SwarmStrategy(Strategy):
             activation_timeout=self.activation_timeout,
             checkpoint_activations=self.checkpoint_activations,
             throttle=self.throttle,
+            policy=self.node.policy,
         )
         self._announcer = self._make_announcer()
         self._announcer.announce(self._record(PeerState.JOINING))

@@ -275,14 +275,19 @@ class StageRouter:
             response = await asyncio.wait_for(server.answer(method, request), self.request_timeout)
             return list(response.tensors)
         stub = StageServer.get_stub(self.node.p2p, PeerID.from_base58(peer), namespace=self.run_id)
+        metadata = self._with_token(metadata, peer)
         reply, _ = await protocol.call(stub, method, uid, tensors, metadata, self.request_timeout)
         return reply
 
+    def _with_token(self, metadata: dict, peer: str) -> dict:
+        """``metadata`` with the proof that this peer knows the swarm's secret, if the swarm has one."""
+        policy = getattr(self.node, "policy", None)
+        return metadata if policy is None else policy.sign_metadata(metadata, self.run_id, self.node.peer_id, peer)
+
     def fetch_state(self, stage: int) -> dict[str, torch.Tensor]:
         """Download the current state dict of ``stage`` from one of its live peers."""
-        request = runtime_pb2.ExpertRequest(uid=stage_uid(self.run_id, stage))
 
-        async def download(stub) -> tuple[list[runtime_pb2.Tensor], dict]:
+        async def download(stub, request) -> tuple[list[runtime_pb2.Tensor], dict]:
             parts, metadata = [], b""
             async for response in aiter_with_timeout(await stub.rpc_state(request), self.request_timeout):
                 parts.extend(response.tensors)
@@ -295,8 +300,10 @@ class StageRouter:
             if peer is None:
                 break
             stub = StageServer.get_stub(self.node.p2p, PeerID.from_base58(peer), namespace=self.run_id)
+            metadata = protocol.encode_metadata(self._with_token({}, peer))
+            request = runtime_pb2.ExpertRequest(uid=stage_uid(self.run_id, stage), metadata=metadata)
             try:
-                tensors, metadata = self.node.run(download(stub), timeout=self.request_timeout)
+                tensors, metadata = self.node.run(download(stub, request), timeout=self.request_timeout)
                 return {k: compression.deserialize(t) for k, t in zip(metadata["keys"], tensors)}
             except Exception as e:
                 log.warning("Stage %d: could not download state from %s: %r", stage, peer, e)

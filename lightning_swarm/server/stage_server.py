@@ -28,8 +28,9 @@ from hivemind.utils.performance_ema import PerformanceEMA
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_swarm import compression, protocol
+from lightning_swarm import compression, protocol, security
 from lightning_swarm.errors import ActivationsLostError, StageBusyError, SwarmRequestError
+from lightning_swarm.security import AccessPolicy, PeerNotAllowedError
 from lightning_swarm.server.kept_activations import Kept, KeptActivations, counting_saved_bytes
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class StageServer(ServicerBase):
         activation_timeout: float = 120.0,
         checkpoint_activations: bool = False,
         throttle: float = 1.0,
+        policy: Optional[AccessPolicy] = None,
     ) -> None:
         if throttle < 1:
             raise ValueError(f"throttle must be at least 1 (a slowdown factor), got {throttle}")
@@ -86,6 +88,7 @@ class StageServer(ServicerBase):
         self.max_request_bytes, self.checkpoint_activations = max_request_bytes, checkpoint_activations
         self.kept = KeptActivations(max_activation_bytes, activation_timeout)
         self.throttle = throttle
+        self.policy = policy  # callers off its allow-list, or without the swarm's secret, are refused
         self.params = [p for p in module.parameters() if p.requires_grad]
         floating = [p.dtype for p in module.parameters() if p.is_floating_point()]
         self.dtype = floating[0] if floating else torch.get_default_dtype()
@@ -100,9 +103,11 @@ class StageServer(ServicerBase):
     # ---- RPC handlers -------------------------------------------------------------------------------------------
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        self._check_caller(context, request.metadata)
         return await self.answer("forward", request, context.remote_id)
 
     async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        self._check_caller(context, request.metadata)
         return await self.answer("backward", request, context.remote_id)
 
     async def rpc_forward_stream(
@@ -122,14 +127,16 @@ class StageServer(ServicerBase):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         try:
             request = await protocol.gather_request(requests, self.max_request_bytes)
+            self._check_caller(context, request.metadata)
             response = await self.answer(kind, request, context.remote_id)
-        except (SwarmRequestError, StageBusyError, ActivationsLostError) as e:
+        except (SwarmRequestError, StageBusyError, ActivationsLostError, PeerNotAllowedError) as e:
             raise type(e)(repr(e)) from None  # hivemind sends str(e) on streams: keep the class name for callers
         for part in protocol.stream_response(response):
             yield part
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
-        """The stage's load and progress, as a msgpack dict."""
+        """The stage's load and progress, as a msgpack dict (checked against the allow-list; carries no secret)."""
+        self._check_caller(context, None)
         self._check_uid(request.uid)
         return runtime_pb2.ExpertInfo(serialized_info=protocol.encode_metadata(self.info()))
 
@@ -147,6 +154,7 @@ class StageServer(ServicerBase):
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Stream the stage's current state dict (uncompressed), e.g. to gather a complete checkpoint."""
+        self._check_caller(context, request.metadata)
         self._check_uid(request.uid)
         state = await asyncio.get_running_loop().run_in_executor(None, self.state_dict)
         response = runtime_pb2.ExpertResponse(
@@ -185,6 +193,20 @@ class StageServer(ServicerBase):
             raise
         encoded = await loop.run_in_executor(None, compression.serialize, output, codec)
         return runtime_pb2.ExpertResponse(tensors=[encoded])
+
+    def _check_caller(self, context: P2PContext, raw_metadata: Optional[bytes]) -> None:
+        """Refuse callers off the allow-list and, unless ``raw_metadata`` is None, those without the secret's token."""
+        if self.policy is None:
+            return
+        if raw_metadata is None:
+            if not self.policy.admits(context.remote_id):
+                security.refuse(f"peer {context.remote_id} is not on the allow-list of this swarm")
+            return
+        try:
+            metadata = protocol.decode_metadata(raw_metadata)
+        except Exception:
+            metadata = {}
+        self.policy.check_request(self.run_id, context, metadata if isinstance(metadata, dict) else {})
 
     def _check_uid(self, uid: str) -> None:
         if uid != self.uid:

@@ -1,0 +1,230 @@
+"""Who may join a swarm: an allow-list of peer identities, and/or a secret shared by the swarm's peers.
+
+What hivemind 1.1.12 offers, and what this module builds on it:
+
+- Peer ids are authenticated by libp2p (TLS or Noise): the ``remote_id`` a handler sees in its ``P2PContext`` is
+  the caller's key, not a claim. A peer started with ``identity_path`` keeps its id across restarts.
+- The bundled ``p2pd`` has no private-network (pre-shared key) option (``p2pd -h`` lists no ``-psk``), so a
+  shared secret cannot be made a transport-level guarantee: it is checked in the application instead.
+
+**Allow-list** (``allowed_peers``): every RPC handler of this peer's processes (the stage server, the DHT and the
+averagers, which are forked from the process after :func:`install_guard`) refuses callers whose peer id is not on
+the list, before the handler runs. A peer off the list cannot bootstrap into the swarm's DHT, read or write its
+records, send work to a stage, or take part in an all-reduce; its refused calls are logged by the refusing peer.
+
+**Secret** (``secret`` / ``secret_path``): every DHT record a peer stores carries an HMAC of the record (key,
+subkey, value, expiration) under the secret (:class:`SecretRecordValidator`); records without a valid one are
+refused by every peer's DHT. Every request to a stage server carries an HMAC of (run, caller id, receiver id),
+so only peers that know the secret can send work or download a stage; the libp2p channel is encrypted and
+authenticated, so a token seen by its receiver cannot be used under another peer's id. Limits of a secret
+alone: a peer without it can still reach the DHT (it sees records, but cannot write any the swarm accepts) and
+call hivemind's averager RPCs directly. Use an allow-list where that matters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import logging
+import os
+import struct
+import time
+from typing import Any, Iterable, Optional, Union
+
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import P2P, P2PContext, PeerID
+
+log = logging.getLogger(__name__)
+
+AUTH_FIELD = "auth"  # the request metadata field that carries the secret's token
+_MAC_MARK = b"[swarm-mac:"
+_MAC_SUFFIX_LEN = len(_MAC_MARK) + 64 + 1  # mark, hex SHA-256, "]"
+_REFUSAL_LOG_PERIOD = 60.0  # seconds between two log lines about the same refused peer
+
+
+class PeerNotAllowedError(PermissionError):
+    """A peer off the allow-list, or without the swarm's secret, called this peer."""
+
+
+def peer_id_of(identity_path: str) -> str:
+    """The peer id (base58) of the identity in a key file written by hivemind (``identity_path``)."""
+    with open(identity_path, "rb") as f:
+        return PeerID.from_identity(f.read()).to_base58()
+
+
+def create_identity(identity_path: str) -> str:
+    """Write a new identity key file (if none is there) and return its peer id: to build an allow-list."""
+    if not os.path.exists(identity_path):
+        P2P.generate_identity(identity_path)
+    return peer_id_of(identity_path)
+
+
+def read_allowed_peers(entries: Iterable[str]) -> frozenset[str]:
+    """Peer ids from ``entries``: each a base58 peer id, or a file with one peer id per line (``#`` comments)."""
+    allowed = set()
+    for entry in entries:
+        entry = entry.strip()
+        if not entry:
+            continue
+        if os.path.isfile(entry):
+            with open(entry) as f:
+                lines = [line.split("#", 1)[0].strip() for line in f]
+            allowed.update(line for line in lines if line)
+        else:
+            allowed.add(entry)
+    for peer in allowed:
+        try:
+            PeerID.from_base58(peer)
+        except Exception:
+            raise ValueError(f"allowed_peers: {peer!r} is neither a peer id nor a file of peer ids") from None
+    return frozenset(allowed)
+
+
+@dataclasses.dataclass(frozen=True)
+class AccessPolicy:
+    """Who may talk to this peer. ``allowed``: peer ids (None: anyone); ``key``: the HMAC key derived from the
+    swarm's secret (None: no secret)."""
+
+    allowed: Optional[frozenset[str]] = None
+    key: Optional[bytes] = None
+
+    @classmethod
+    def create(
+        cls, allowed_peers: Optional[Iterable[str]] = None, secret: Optional[Union[str, bytes]] = None
+    ) -> Optional[AccessPolicy]:
+        """A policy from settings, or None when neither an allow-list nor a secret is set."""
+        allowed = read_allowed_peers(allowed_peers) if allowed_peers else None
+        if allowed_peers and not allowed:
+            raise ValueError("allowed_peers names no peer id")
+        key = None
+        if secret:
+            raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+            key = hashlib.sha256(b"lightning_swarm secret:" + raw).digest()
+        return cls(allowed, key) if allowed is not None or key is not None else None
+
+    def __repr__(self) -> str:  # never print the key
+        allowed = "anyone" if self.allowed is None else f"{len(self.allowed)} peer(s)"
+        return f"AccessPolicy(allowed={allowed}, secret={self.key is not None})"
+
+    def admits(self, peer: Union[str, PeerID]) -> bool:
+        return self.allowed is None or _base58(peer) in self.allowed
+
+    def token(self, run_id: str, caller: Union[str, PeerID], receiver: Union[str, PeerID]) -> Optional[str]:
+        """What ``caller`` sends to ``receiver`` to prove it knows the secret (None without a secret)."""
+        if self.key is None:
+            return None
+        message = f"request|{run_id}|{_base58(caller)}|{_base58(receiver)}".encode()
+        return hmac.new(self.key, message, hashlib.sha256).hexdigest()
+
+    def check_request(self, run_id: str, context: P2PContext, metadata: Optional[dict]) -> None:
+        """Raise :class:`PeerNotAllowedError` (and log it) unless the caller is allowed and proved the secret."""
+        caller = context.remote_id
+        if not self.admits(caller):
+            refuse(f"peer {_base58(caller)} is not on the allow-list of this swarm")
+        if self.key is not None:
+            given = (metadata or {}).get(AUTH_FIELD)
+            expected = self.token(run_id, caller, context.local_id)
+            if not isinstance(given, str) or not hmac.compare_digest(given, expected):
+                refuse(f"peer {_base58(caller)} did not prove the swarm's secret (missing or wrong token)")
+
+    def sign_metadata(self, metadata: dict, run_id: str, caller: Union[str, PeerID], receiver: Union[str, PeerID]):
+        """``metadata`` with the secret's token added for ``receiver`` (unchanged without a secret)."""
+        token = self.token(run_id, caller, receiver)
+        return metadata if token is None else {**metadata, AUTH_FIELD: token}
+
+
+_last_refusal: dict[str, float] = {}
+
+
+def refuse(reason: str) -> None:
+    """Log (at most once a minute per reason) and raise the refusal."""
+    now = time.monotonic()
+    if now - _last_refusal.get(reason, -_REFUSAL_LOG_PERIOD) >= _REFUSAL_LOG_PERIOD:
+        _last_refusal[reason] = now
+        log.warning("Refused a request: %s", reason)
+    raise PeerNotAllowedError(reason)
+
+
+def _base58(peer: Union[str, PeerID]) -> str:
+    return peer.to_base58() if isinstance(peer, PeerID) else str(peer)
+
+
+# ---- the allow-list on every RPC handler of this process and the processes it forks ------------------------------
+
+_guard_policy: Optional[AccessPolicy] = None
+_original_add_protobuf_handler = P2P.add_protobuf_handler
+
+
+def install_guard(policy: AccessPolicy) -> None:
+    """Make every hivemind RPC handler registered from now on in this process (and in processes forked from it:
+    the DHT, the averagers) refuse callers off ``policy``'s allow-list. Call it before the DHT starts."""
+    global _guard_policy
+    if policy.allowed is None:
+        return
+    _guard_policy = policy
+    P2P.add_protobuf_handler = _guarded_add_protobuf_handler
+
+
+def remove_guard() -> None:
+    """Undo :func:`install_guard` for handlers called from now on (processes already forked keep theirs)."""
+    global _guard_policy
+    _guard_policy = None
+
+
+async def _guarded_add_protobuf_handler(self: P2P, name: str, handler: Any, *args: Any, **kwargs: Any) -> None:
+    await _original_add_protobuf_handler(self, name, _guarded(name, handler), *args, **kwargs)
+
+
+def _guarded(name: str, handler: Any) -> Any:
+    def guarded(request: Any, context: P2PContext) -> Any:
+        policy = _guard_policy
+        if policy is not None and not policy.admits(context.remote_id):
+            return _refused(name, context)
+        return handler(request, context)
+
+    return guarded
+
+
+async def _refused(name: str, context: P2PContext) -> None:
+    refuse(f"peer {_base58(context.remote_id)} is not on the allow-list of this swarm (it called {name})")
+
+
+# ---- the secret on DHT records -------------------------------------------------------------------------------------
+
+
+class SecretRecordValidator(RecordValidatorBase):
+    """Every DHT record carries an HMAC (under the swarm's secret) of its key, subkey, value and expiration; records
+    without a valid one are refused when another peer asks to store them and when a peer returns them."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    def _mac(self, record: DHTRecord, value: bytes) -> bytes:
+        message = b"|".join(
+            [len(record.key).to_bytes(4, "big") + record.key, record.subkey, struct.pack("!d", record.expiration_time)]
+        )
+        return hmac.new(self._key, message + b"|" + value, hashlib.sha256).hexdigest().encode()
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        return record.value + _MAC_MARK + self._mac(record, record.value) + b"]"
+
+    def validate(self, record: DHTRecord) -> bool:
+        value = record.value
+        if len(value) < _MAC_SUFFIX_LEN or not value.endswith(b"]"):
+            return False
+        suffix = value[-_MAC_SUFFIX_LEN:]
+        if not suffix.startswith(_MAC_MARK):
+            return False
+        given = suffix[len(_MAC_MARK) : -1]
+        return hmac.compare_digest(given, self._mac(record, value[:-_MAC_SUFFIX_LEN]))
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        return record.value[:-_MAC_SUFFIX_LEN]
+
+    @property
+    def priority(self) -> int:
+        return 100  # signed last and checked first: it covers what hivemind's own validators added
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return False
