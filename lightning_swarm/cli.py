@@ -349,41 +349,49 @@ def plot_metrics(files: Sequence[Path], out: Path, mode: str = "step") -> list:
     except ImportError:
         raise CLIError("plot needs matplotlib: pip install 'lightning_swarm[plot]'") from None
 
+    from matplotlib.ticker import MaxNLocator
+
     runs = [(path, load_metrics(path)) for path in files]
     labels = _run_labels(files)
     fig, (ax_loss, ax_thr, ax_peers) = plt.subplots(3, 1, figsize=(10, 10), sharex=True)
     drawn = {ax_loss: False, ax_thr: False, ax_peers: False}
-    marked: set = set()
+    styles = ("-", "--", ":", "-.")  # one per run; swarm-wide series keep one colour per stage across runs
+    stage_colour = plt.get_cmap("tab10")
+    events: dict = {name: [] for name in EVENTS}
     xlabel = "step"
-    for (path, columns), run in zip(runs, labels):
+    for i, ((path, columns), run) in enumerate(zip(runs, labels)):
         x, xlabel = x_axis(columns, path, mode)
-        prefix = f"{run}: " if len(runs) > 1 else ""
+        prefix, style = (f"{run}: " if len(runs) > 1 else ""), styles[i % len(styles)]
         for name in sorted(c for c in columns if "loss" in c and not c.startswith("swarm/")):
             xs, ys = series(columns, x, name)
             if xs:
                 ax_loss.plot(xs, ys, label=prefix + name, marker="." if len(xs) < 30 else None)
                 drawn[ax_loss] = True
-        for pattern, ax, what in ((THROUGHPUT, ax_thr, "samples/s"), (STAGE_PEERS, ax_peers, "peers")):
+        for pattern, ax in ((THROUGHPUT, ax_thr), (STAGE_PEERS, ax_peers)):
             stages = sorted((int(m.group(1)), c) for c in columns if (m := pattern.match(c)))
             for k, name in stages:
                 xs, ys = series(columns, x, name)
                 if xs:
-                    ax.plot(xs, ys, label=f"{prefix}stage {k}", drawstyle="steps-post")
+                    ax.plot(xs, ys, label=f"{prefix}stage {k}", color=stage_colour(k % 10), linestyle=style,
+                            drawstyle="steps-post")
                     drawn[ax] = True
         xs, ys = series(columns, x, "swarm/peers")
         if xs:
-            ax_peers.plot(xs, ys, label=prefix + "all peers", color="black", drawstyle="steps-post", linewidth=1)
+            ax_peers.plot(xs, ys, label=prefix + "all peers", color="black", linestyle=style, linewidth=1,
+                          drawstyle="steps-post")
             drawn[ax_peers] = True
-        events = {name: event_points(columns, x, name) for name in EVENTS}
+        for name in EVENTS:
+            events[name] += event_points(columns, x, name)
         if "swarm/rebalances" not in columns:
-            events["swarm/rebalances"] = stage_changes(columns, x)
-        for name, points in events.items():
-            label, colour, style = EVENTS[name]
-            for a in points:
-                for ax in (ax_loss, ax_thr, ax_peers):
-                    ax.axvline(a, color=colour, linestyle=style, linewidth=1, alpha=0.7,
-                               label=label if (ax is ax_loss and label not in marked) else None)
-                marked.add(label)
+            events["swarm/rebalances"] += stage_changes(columns, x)
+    for name, points in events.items():  # drawn last, so that their legend entries come last
+        label, colour, style = EVENTS[name]
+        for j, a in enumerate(sorted(set(points))):
+            for ax in (ax_loss, ax_thr, ax_peers):
+                ax.axvline(a, color=colour, linestyle=style, linewidth=1, alpha=0.8,
+                           label=label if ax is ax_loss and j == 0 else None)
+    marked = any(events.values())
+    ax_peers.yaxis.set_major_locator(MaxNLocator(integer=True))
 
     warnings = []
     for ax, title, ylabel in (

@@ -1,0 +1,374 @@
+"""LightningCLI configuration of the strategy (examples/gpt_cli.py), and the ``lightning-swarm`` command."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import docstring_parser
+import pytest
+import yaml
+from conftest import PEER_ENV, ROOT, SMALL_GPT
+
+from lightning_swarm import SwarmStrategy, cli
+from lightning_swarm.launch import LocalSwarm
+
+LOCAL_YAML = ROOT / "examples" / "swarm_local.yaml"
+MULTI_YAML = ROOT / "examples" / "swarm_multi_machine.yaml"
+GPT_CLI = str(ROOT / "examples" / "gpt_cli.py")
+PEER_A = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWGzD56qtvNW5e7xdvMCaSFU5zZUJPpdVRDtp4Af7LwoA3"
+PEER_B = "/ip4/127.0.0.1/tcp/31338/p2p/12D3KooWHnEYFEZtcDzTL25H6CBcb86A4B1WRCn5yJo94JMboaN7"
+
+
+@pytest.fixture(autouse=True)
+def no_swarm_env(monkeypatch):
+    """Tests set the SWARM_* variables they mean; none may leak in from the shell."""
+    for name in list(os.environ):
+        if name.startswith("SWARM_"):
+            monkeypatch.delenv(name)
+
+
+def build(args: list[str]) -> SwarmStrategy:
+    """Parse and instantiate examples/gpt_cli.py without fitting; the Trainer's strategy."""
+    from gpt_cli import cli_main
+
+    strategy = cli_main(args, run=False).trainer.strategy
+    assert isinstance(strategy, SwarmStrategy)
+    return strategy
+
+
+# ---- LightningCLI --------------------------------------------------------------------------------------------------
+
+
+def test_yaml_configs_build_the_strategy():
+    local = build(["--config", str(LOCAL_YAML)])
+    assert (local.run_id, local.num_stages, local.role, local.compression) == ("gpt-local", 2, "both", "8bit")
+    assert (local.target_batch_size, local.microbatches, local.matchmaking_time) == (32, 1, 1.0)
+    assert local.host_maddrs == ["/ip4/127.0.0.1/tcp/0"] and local.initial_peers == []
+    assert local.node is None  # nothing starts before fit
+
+    multi = build(["--config", str(MULTI_YAML), "--model.n_layer", "2", "--model.d_model", "64"])
+    assert (multi.run_id, multi.num_stages, multi.microbatches) == ("gpt-multi", 4, 4)
+    assert multi.host_maddrs == ["/ip4/0.0.0.0/tcp/31337"] and multi.identity_path == "swarm_identity.key"
+
+
+def test_yaml_leaves_the_rest_to_the_environment(monkeypatch):
+    monkeypatch.setenv("SWARM_INITIAL_PEERS", f"{PEER_A},{PEER_B}")
+    monkeypatch.setenv("SWARM_STAGE", "1")
+    monkeypatch.setenv("SWARM_NUM_STAGES", "7")  # the config's num_stages wins over the environment
+    strategy = build(["--config", str(LOCAL_YAML)])
+    assert strategy.initial_peers == [PEER_A, PEER_B] and strategy.stage == 1 and strategy.num_stages == 2
+
+
+def test_strategy_name_configured_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SWARM_RUN_ID", "from-env")
+    monkeypatch.setenv("SWARM_NUM_STAGES", "3")
+    monkeypatch.setenv("SWARM_ROLE", "serve")
+    monkeypatch.setenv("SWARM_INITIAL_PEERS", PEER_A)
+    monkeypatch.setenv("SWARM_COMPRESSION", "float16")
+    monkeypatch.setenv("SWARM_DELAYED_UPDATES", "1")
+    strategy = build(["--trainer.strategy=swarm"])
+    assert (strategy.run_id, strategy.num_stages, strategy.role) == ("from-env", 3, "serve")
+    assert strategy.initial_peers == [PEER_A] and strategy.compression == "float16" and strategy.delayed_updates
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--trainer.strategy=SwarmStrategy", "--trainer.strategy.num_stages=3", "--trainer.strategy.role=drive"],
+        [
+            "--trainer.strategy.class_path=lightning_swarm.SwarmStrategy",
+            "--trainer.strategy.init_args.num_stages=3",
+            "--trainer.strategy.init_args.role=drive",
+        ],
+        ['--trainer.strategy={"class_path": "lightning_swarm.SwarmStrategy", "init_args": {"num_stages": 3}}'],
+    ],
+    ids=["short-name", "class-path", "json"],
+)
+def test_strategy_flags(args, monkeypatch):
+    monkeypatch.setenv("SWARM_NUM_STAGES", "5")  # flags win over the environment
+    monkeypatch.setenv("SWARM_ROLE", "drive")
+    strategy = build([*args, f"--trainer.strategy.initial_peers=[{PEER_A}, {PEER_B}]", "--trainer.strategy.linger=7"])
+    assert strategy.num_stages == 3 and strategy.role == "drive" and strategy.linger == 7.0
+    assert strategy.initial_peers == [PEER_A, PEER_B]
+
+
+def test_help_documents_every_strategy_argument(capsys):
+    from gpt_cli import cli_main
+
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["fit", "--trainer.strategy.help", "SwarmStrategy"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    documented = {p.arg_name: p.description for p in docstring_parser.parse(SwarmStrategy.__doc__).params}
+    for name in inspect.signature(SwarmStrategy.__init__).parameters:
+        if name == "self":
+            continue
+        assert documented.get(name), f"SwarmStrategy's docstring has no Args entry for {name!r}"
+        assert f"--trainer.strategy.{name} " in text, f"--help lacks {name}"
+        first_words = " ".join(documented[name].split()[:6])
+        assert first_words in text, f"--help lacks the description of {name}: {first_words!r}"
+
+
+def test_print_config(capsys):
+    from gpt_cli import cli_main
+
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["fit", "--config", str(LOCAL_YAML), "--trainer.strategy.init_args.stage=1", "--print_config"])
+    assert exited.value.code == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    strategy = config["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_swarm.SwarmStrategy"
+    assert strategy["init_args"]["run_id"] == "gpt-local" and strategy["init_args"]["stage"] == 1
+    assert config["seed_everything"] == 0 and config["model"]["d_model"] == 64
+
+
+def test_cli_trains_from_the_yaml_config(tmp_path):
+    """examples/gpt_cli.py fits from examples/swarm_local.yaml (one stage, so one peer is a whole swarm)."""
+    overrides = [
+        "--trainer.strategy.init_args.num_stages=1",
+        "--trainer.strategy.init_args.target_batch_size=8",
+        "--trainer.max_steps=6",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--model.d_model=32",
+        "--model.n_layer=2",
+        "--model.n_head=2",
+        "--data.block_size=32",
+        "--data.batch_size=8",
+    ]
+    with LocalSwarm([GPT_CLI], tmp_path, run_id="tcli_yaml", env=PEER_ENV) as swarm:
+        swarm.start("peer", ["fit", "--config", str(LOCAL_YAML), *overrides])
+        assert swarm.wait("peer", timeout=240) == 0, swarm.peers["peer"].log()[-3000:]
+        log = swarm.peers["peer"].log()
+        # run_id from the YAML (which wins over SWARM_RUN_ID); address_file, left out of it, from SWARM_ADDRESS_FILE
+        assert "Swarm 'gpt-local' started" in log and "Serving stage 0 of 1" in log
+    (metrics,) = tmp_path.rglob("metrics.csv")
+    losses = [float(row["train_loss"]) for row in _csv_rows(metrics) if row.get("train_loss")]
+    assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses), losses
+    saved = yaml.safe_load(next(tmp_path.rglob("config.yaml")).read_text())  # LightningCLI's record of the run
+    assert saved["trainer"]["strategy"]["init_args"]["target_batch_size"] == 8
+
+
+# ---- lightning-swarm status ---------------------------------------------------------------------------------------
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m lightning_swarm ARGS`` (what the lightning-swarm script runs), in its own process group."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lightning_swarm", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **PEER_ENV},
+    )
+    try:
+        out, err = process.communicate(timeout=timeout)
+    finally:
+        _kill_group(process)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # the DHT child and its p2pd, should the command have left them
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def _csv_rows(path) -> list[dict]:
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def wait_for_log(peer, text: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in peer.log():
+        assert peer.alive() and time.monotonic() < deadline, peer.log()[-3000:]
+        time.sleep(0.2)
+
+
+def test_status_of_a_live_swarm(swarm):
+    env = {"SWARM_NUM_STAGES": "2", "SWARM_ROLE": "serve", "SWARM_UPDATE_PERIOD": "1.0"}
+    peers = [swarm.start(f"stage{k}", SMALL_GPT, env={**env, "SWARM_STAGE": str(k)}) for k in range(2)]
+    for k, peer in enumerate(peers):
+        wait_for_log(peer, f"Serving stage {k} of 2")
+    ids = [peer.addresses()[0].rsplit("/", 1)[-1] for peer in peers]
+    address = peers[1].addresses()[0]
+
+    result = run_cli("status", "--initial-peers", address, "--run-id", swarm.run_id, "--json")
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    assert status["num_stages"] == 2 and status["num_stages_source"] == "meta"  # read from the peers' metadata
+    for k in range(2):
+        (record,) = status["stages"][k]["peers"]
+        assert record["peer_id"] == ids[k] and record["stage"] == k and record["state"] == "serving", status
+        assert record["training"] is False and record["queue"] == 0
+
+    started = time.monotonic()
+    result = run_cli("status", "--initial-peers", address, "--run-id", swarm.run_id, "--num-stages", "2", "--full-ids")
+    print(result.stdout)
+    assert result.returncode == 0, result.stderr
+    assert f"run {swarm.run_id!r}: 2 stages, 2 serving peers" in result.stdout
+    assert re.search(r"STAGE +STEP +PEERS +SAMPLES/S +QUEUE", result.stdout)
+    for k in range(2):
+        assert re.search(rf"^{ids[k]} +{k} +serving +[\d.]+ +0 +no$", result.stdout, re.MULTILINE), result.stdout
+    print(f"status took {time.monotonic() - started:.1f}s")
+
+    result = run_cli("status", "--initial-peers", address, "--run-id", "nobody_here")
+    assert result.returncode == cli.EXIT_NOT_FOUND
+    assert "no peer of run 'nobody_here' found" in result.stderr and "Traceback" not in result.stderr
+
+    # --watch refreshes until Ctrl-C (SIGINT to the whole process group, as a terminal sends it), then exits 0
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "lightning_swarm", "status", "--watch", "0.5"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **PEER_ENV, "SWARM_INITIAL_PEERS": address, "SWARM_RUN_ID": swarm.run_id},
+    )
+    try:
+        refreshes, deadline = 0, time.monotonic() + 120
+        while refreshes < 2:
+            line = watch.stdout.readline()
+            assert line and time.monotonic() < deadline, watch.stderr.read() if watch.poll() is not None else "slow"
+            refreshes += line.startswith("run ")
+        os.killpg(watch.pid, signal.SIGINT)
+        _, err = watch.communicate(timeout=60)
+        assert watch.returncode == 0 and "Traceback" not in err, err
+    finally:
+        _kill_group(watch)
+
+
+def test_status_of_nothing_fails_clearly():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    address = f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWGzD56qtvNW5e7xdvMCaSFU5zZUJPpdVRDtp4Af7LwoA3"
+    result = run_cli("status", "--initial-peers", address, "--run-id", "gone", "--timeout", "10", timeout=90)
+    elapsed = time.monotonic() - started
+    print(f"exit {result.returncode} after {elapsed:.1f}s: {result.stderr.strip()}")
+    assert result.returncode == cli.EXIT_ERROR and result.stdout == ""
+    assert result.stderr.startswith("lightning-swarm: cannot reach the swarm through ") and address in result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert elapsed < 60
+
+    result = run_cli("status", "--initial-peers", "not-an-address", timeout=90)
+    assert result.returncode == cli.EXIT_ERROR and result.stderr.count("\n") == 1, result.stderr
+    assert "not-an-address" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_status_usage_errors(capsys):
+    assert cli.main(["status"]) == cli.EXIT_USAGE  # no initial peers, none in the environment
+    assert "--initial-peers" in capsys.readouterr().err
+    assert cli.main(["status", "--initial-peers", PEER_A, "--run-id", "no spaces"]) == cli.EXIT_USAGE
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["status", "--num-stages", "two"])
+    assert exited.value.code == cli.EXIT_USAGE
+
+
+# ---- lightning-swarm plot -----------------------------------------------------------------------------------------
+
+COLUMNS = [
+    "epoch", "step", "train_loss", "swarm/stage", "swarm/peers", "swarm/step", "swarm/stage0_throughput",
+    "swarm/stage1_throughput", "swarm/stage0_peers", "swarm/stage1_peers", "swarm/queue", "swarm/bytes_sent",
+    "swarm/bytes_received", "swarm/compression_ratio", "swarm/failovers", "swarm/rebalances",
+]  # fmt: skip
+
+
+def write_recorded_run(path, steps: int = 60, failover_at: int = 20, rebalance_at: int = 40) -> None:
+    """A metrics.csv as Lightning's CSVLogger writes it for a peer with SwarmMonitor: sparse rows, one per log."""
+    import csv
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, COLUMNS)
+        writer.writeheader()
+        for step in range(steps):
+            writer.writerow({"epoch": 0, "step": step, "train_loss": 4.2 * math.exp(-step / 30) + 1.0})
+            if step % 5 == 4:
+                moved = step >= rebalance_at
+                writer.writerow(
+                    {
+                        "epoch": 0,
+                        "step": step,
+                        "swarm/stage": 1 if moved else 0,
+                        "swarm/peers": 4 if step < failover_at else 3,
+                        "swarm/step": step // 2,
+                        "swarm/stage0_throughput": 120.0 + step,
+                        "swarm/stage1_throughput": 80.0 if step < failover_at else 40.0,
+                        "swarm/stage0_peers": 1 if moved else 2,
+                        "swarm/stage1_peers": (2 if step < failover_at else 1) + moved,
+                        "swarm/queue": step % 3,
+                        "swarm/bytes_sent": 1000 * step,
+                        "swarm/bytes_received": 900 * step,
+                        "swarm/compression_ratio": 3.9,
+                        "swarm/failovers": 0 if step < failover_at else 1,
+                        "swarm/rebalances": 0 if step < rebalance_at else 1,
+                    }
+                )
+
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_plot_a_recorded_run(tmp_path, capsys):
+    for peer in ("peer0", "peer1"):
+        write_recorded_run(tmp_path / "logs" / peer / "version_0" / "metrics.csv")
+    out = tmp_path / "run.png"
+    assert cli.main(["plot", str(tmp_path / "logs"), "-o", str(out)]) == 0
+    assert "from 2 metrics file(s)" in capsys.readouterr().out
+    width, height = png_size(out)
+    assert width >= 600 and height >= 600
+
+    columns = cli.load_metrics(tmp_path / "logs" / "peer0" / "version_0" / "metrics.csv")
+    assert cli.event_points(columns, columns["step"], "swarm/failovers") == [24.0]  # first logged at or after 20
+    assert cli.event_points(columns, columns["step"], "swarm/rebalances") == [44.0]
+
+
+def test_plot_what_is_present(tmp_path, capsys):
+    metrics = tmp_path / "metrics.csv"
+    metrics.write_text("epoch,step,train_loss\n0,0,4.1\n0,1,3.9\n0,2,3.5\n")
+    out = tmp_path / "loss_only.png"
+    assert cli.main(["plot", str(metrics), "-o", str(out)]) == 0
+    assert "no throughput per stage in the metrics" in capsys.readouterr().err
+    png_size(out)
+
+    assert cli.main(["plot", str(tmp_path / "missing"), "-o", str(out)]) == cli.EXIT_ERROR
+    assert "no such file or directory" in capsys.readouterr().err
+    assert cli.main(["plot", str(metrics), "--x", "time", "-o", str(out)]) == cli.EXIT_ERROR
+    assert "no wall-time column" in capsys.readouterr().err
+
+
+# ---- lightning-swarm demo ------------------------------------------------------------------------------------------
+
+
+def test_demo_runs_the_checkout_demo():
+    result = run_cli("demo", "--help", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "usage: demo.py" in result.stdout and "--peers" in result.stdout
+
+
+def test_demo_outside_a_checkout(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "demo_candidates", lambda: [tmp_path / "examples" / "demo.py"])
+    assert cli.main(["demo"]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "checkout" in err and err.count("\n") == 1
