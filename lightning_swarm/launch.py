@@ -47,7 +47,8 @@ class LocalSwarm:
         self.workdir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, args: Sequence[str] = (), env: Optional[dict] = None, wait: float = 120.0) -> Peer:
-        """Start a peer and wait (up to ``wait`` seconds) until it is reachable."""
+        """Start a peer and wait (up to ``wait`` seconds) until it is reachable. Peers may be started from several
+        threads at once, to have them join together."""
         address_path = self.workdir / f"{name}.addr"
         address_path.unlink(missing_ok=True)
         peer_env = {**os.environ, **self.env, **(env or {})}
@@ -79,7 +80,7 @@ class LocalSwarm:
 
     def initial_peers(self) -> list[str]:
         """The addresses of every live peer: a newcomer bootstraps through whichever answers."""
-        return [address for peer in self.peers.values() if peer.alive() for address in peer.addresses()]
+        return [address for peer in list(self.peers.values()) if peer.alive() for address in peer.addresses()]
 
     def signal(self, name: str, sig: int) -> None:
         """Send ``sig`` to the peer process alone (as a preemption or a crash would)."""

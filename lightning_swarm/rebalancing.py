@@ -13,8 +13,8 @@ The swarm trains as fast as its slowest stage, whose capacity is the summed thro
    differs from its stage now. Moves out of the same stage wait for later rounds, planned again from fresh records.
 
 Every peer computes the plan from the same records with the same tie-breaks (peer ids hashed with the round
-number), so peers agree on who moves without a coordinator, and only the chosen peers move. A peer that moved
-does not move again for ``cooldown`` seconds. Peers that are joining count at their stage but do not move;
+number), so peers agree on who moves without a coordinator, and only the chosen peers move. A peer that moved,
+or joined, does not move for ``cooldown`` seconds. Peers that are joining count at their stage but do not move;
 peers that are leaving do not count. A peer whose throughput is not measured yet counts as the median peer.
 """
 
@@ -196,7 +196,7 @@ class Rebalancer:
         self.peer_id, self.period, self.margin = peer_id, period, margin
         self.cooldown = 2 * period if cooldown is None else cooldown
         self.read_swarm, self.request_move = read_swarm, request_move
-        self.moved_at = -float("inf")
+        self.moved_at = time.monotonic()  # joining counts as a move: a newcomer first lets the swarm settle
         self.paused = threading.Event()  # set while the peer must not move (e.g. it is moving, or leaving)
         self._stop = threading.Event()
         self._rng = random.Random()

@@ -115,6 +115,8 @@ def test_rebalancer_moves_only_the_chosen_peer_and_then_cools_down():
     requested = []
     for peer in allocation:
         rebalancer = Rebalancer(peer, 60.0, lambda: swarm, lambda move, plan: requested.append(move))
+        assert rebalancer.tick(3) is None  # it just joined: cooling down
+        rebalancer.moved_at -= 121.0
         assert (rebalancer.tick(3) is not None) == (peer == chosen)
     assert [m.peer_id for m in requested] == [chosen]
     rebalancer = Rebalancer(chosen, 60.0, lambda: swarm, lambda move, plan: requested.append(move))

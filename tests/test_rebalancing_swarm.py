@@ -1,0 +1,113 @@
+"""Rebalancing and unequal peers in real swarms on loopback: peers move to the bottleneck, serve their new stage
+with its current parameters, stay put once balanced, and routers give slow peers a fair share of the work."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from raw_client import RawClient, bytes_of, wait_until_serving
+from test_swarm import FAST, history
+
+from lightning_swarm import discovery
+from lightning_swarm.discovery import PeerState
+from lightning_swarm.node import SwarmNode
+from lightning_swarm.rebalancing import best_allocation, capacities
+
+PERIOD = 12.0  # seconds between rebalancing rounds
+THREE_BLOCKS = ["--d-model", "32", "--n-layer", "3", "--n-head", "2", "--block-size", "32", "--batch-size", "8"]
+
+
+def peer_id(peer) -> str:
+    return peer.addresses()[0].rsplit("/", 1)[-1]
+
+
+def allocation(node: SwarmNode, run_id: str, num_stages: int) -> tuple[dict[str, int], dict[str, float]]:
+    """Serving peers' stages and throughputs (a peer not measured yet counts as the median, as planners count it)."""
+    records = [r for stage in discovery.fetch_swarm(node, run_id, num_stages) for r in stage.values()]
+    serving = {r.peer_id: r for r in records if r.state == PeerState.SERVING}
+    measured = sorted(r.throughput for r in serving.values() if r.throughput > 0) or [1.0]
+    median = measured[len(measured) // 2]
+    return {p: r.stage for p, r in serving.items()}, {p: r.throughput or median for p, r in serving.items()}
+
+
+def test_skewed_swarm_rebalances_and_movers_serve_their_new_stage_exactly(swarm, tmp_path):
+    """Six serve-only peers placed 4/1/1 on 3 stages. Within two rounds after the first round boundary (and the
+    movers' download) the swarm reaches 90% of the best allocation's throughput; then nobody moves again; each peer
+    that moved serves exactly the state of the peer already serving its new stage (which its own, freshly
+    initialised blocks are not). No trainer runs, so no peer has a measured throughput and all count as equal.
+    The download of a trained state takes the same path as a late joiner's, tested in test_swarm.py."""
+    env = {**FAST, "SWARM_NUM_STAGES": "3", "SWARM_COMPRESSION": "none", "SWARM_TARGET_BATCH_SIZE": "8"}
+    env.update(SWARM_REBALANCE_PERIOD=str(PERIOD), SWARM_ROLE="serve")
+    names = {"e": 1, "f": 2, "a": 0, "b": 0, "c": 0, "d": 0}
+    swarm.start("e", THREE_BLOCKS, env={**env, "SWARM_STAGE": "1"})
+    with ThreadPoolExecutor(5) as pool:  # together, within a newcomer's cool-down: nobody moves before 4/1/1
+        list(pool.map(lambda n: swarm.start(n, THREE_BLOCKS, env={**env, "SWARM_STAGE": str(names[n])}), "fabcd"))
+    ids = {peer_id(swarm.peers[name]): name for name in names}
+    node = SwarmNode(initial_peers=swarm.peers["e"].addresses()).start()
+    try:
+        deadline = time.monotonic() + 60
+        while sorted(allocation(node, swarm.run_id, 3)[0].values()) != [0, 0, 0, 0, 1, 2]:
+            assert time.monotonic() < deadline, "the skewed start never showed in the records"
+            time.sleep(0.5)
+        skewed_at = time.monotonic()
+        # the first round starts within a period; two rounds later, and once the movers served, it must be done
+        deadline = skewed_at + 3 * PERIOD + 30
+        history_of = {name: [stage] for name, stage in names.items()}
+        balanced_at = None
+        while balanced_at is not None or time.monotonic() < deadline:
+            stages, throughput = allocation(node, swarm.run_id, 3)
+            for peer, stage in stages.items():
+                if history_of[ids[peer]][-1] != stage:
+                    history_of[ids[peer]].append(stage)
+            ratio = min(capacities(stages, throughput, 3)) / best_allocation(throughput, 3) if len(stages) == 6 else 0
+            if ratio >= 0.9 and balanced_at is None:
+                balanced_at = time.monotonic()
+                print(f"balanced after {balanced_at - skewed_at:.1f}s: {sorted(stages.values())}, ratio {ratio:.3f}")
+            if balanced_at is not None and time.monotonic() > balanced_at + 3 * PERIOD:
+                break  # three more rounds watched
+            time.sleep(0.5)
+        assert balanced_at is not None, f"not balanced within {3 * PERIOD + 30:.0f}s: {history_of}"
+        assert ratio >= 0.9, f"left the balanced allocation: {history_of}"
+        movers = [name for name, stages in history_of.items() if len(stages) > 1]
+        assert movers and all(len(history_of[name]) == 2 for name in movers), f"moved back and forth: {history_of}"
+        print(f"stage history per peer: {history_of}")
+
+        for name in movers:
+            stage = history_of[name][-1]
+            elder = next(n for n, s in history_of.items() if s == [stage])  # served that stage all along
+            clients = [RawClient(node, swarm.peers[n].addresses()[0], swarm.run_id, stage=stage) for n in (elder, name)]
+            wait_until_serving(clients[1], swarm.peers[name])
+            expected, served = clients[0].state(), clients[1].state()
+            assert bytes_of(served) == bytes_of(expected), f"{name} does not serve stage {stage}'s state"
+            assert clients[1].info()["epoch"] == clients[0].info()["epoch"]
+    finally:
+        node.shutdown()
+
+
+def test_a_throttled_peer_gets_work_in_proportion_to_its_throughput(swarm, tmp_path):
+    """Two peers serve stage 0, one throttled to a third of its speed: the routers send it a share of the
+    microbatches within 25% of its share of the stage's throughput."""
+    model = ["--d-model", "128", "--n-layer", "4", "--n-head", "4", "--block-size", "64", "--batch-size", "16"]
+    env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_REBALANCE_PERIOD": "0", "SWARM_TARGET_BATCH_SIZE": "64"}
+    env["SWARM_ROLE"] = "serve"
+    swarm.start("fast", model, env={**env, "SWARM_STAGE": "0"})
+    swarm.start("slow", model, env={**env, "SWARM_STAGE": "0", "SWARM_THROTTLE": "3"})
+    swarm.start("last", model, env={**env, "SWARM_STAGE": "1"})
+    record = tmp_path / "trainer.json"
+    args = [*model, "--max-steps", "60", "--history", str(record)]
+    swarm.start("trainer", args, env={**env, "SWARM_ROLE": "drive"})
+    assert swarm.wait("trainer", timeout=400) == 0, swarm.peers["trainer"].log()[-3000:]
+
+    calls = history(record)["calls_per_peer"]
+    fast, slow = peer_id(swarm.peers["fast"]), peer_id(swarm.peers["slow"])
+    node = SwarmNode(initial_peers=swarm.peers["last"].addresses()).start()
+    try:
+        records = discovery.fetch_stage(node, swarm.run_id, 0)
+    finally:
+        node.shutdown()
+    throughput_share = records[slow].throughput / (records[slow].throughput + records[fast].throughput)
+    work_share = calls[slow] / (calls[slow] + calls[fast])
+    print(f"throttled peer: {throughput_share:.3f} of the throughput, {work_share:.3f} of the calls ({calls})")
+    assert 0.15 < throughput_share < 0.35  # the throttle took effect
+    assert abs(work_share - throughput_share) <= 0.25 * throughput_share
