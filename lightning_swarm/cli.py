@@ -63,8 +63,16 @@ class SwarmStatus:
         return {peer for stage in self.stages for peer in stage.peers} | set(self.drivers)
 
 
-def open_node(initial_peers: Sequence[str], timeout: float) -> Any:
-    """A DHT node joined to the swarm through ``initial_peers``, able to read signed progress records."""
+def open_node(
+    initial_peers: Sequence[str],
+    timeout: float,
+    identity_path: Optional[str] = None,
+    secret_path: Optional[str] = None,
+) -> Any:
+    """A DHT node joined to the swarm through ``initial_peers``, able to read signed progress records.
+
+    A private swarm's records carry an HMAC under its secret (``secret_path``); one with an allow-list admits only
+    listed identities (``identity_path``, a key file whose peer id is on the list)."""
     from hivemind.dht import DHT
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.p2p import P2PDaemonError
@@ -73,7 +81,18 @@ def open_node(initial_peers: Sequence[str], timeout: float) -> Any:
 
     if not initial_peers:
         raise CLIError("no initial peers: pass --initial-peers ADDRESS (or set SWARM_INITIAL_PEERS)", EXIT_USAGE)
-    node = SwarmNode(list(initial_peers), timeout=timeout)
+    policy = None
+    if secret_path:
+        from lightning_swarm.security import AccessPolicy
+
+        try:
+            with open(secret_path, "rb") as f:
+                policy = AccessPolicy.create(None, f.read().strip())
+        except OSError as e:
+            raise CLIError(f"cannot read the secret: {e}", EXIT_USAGE) from None
+        if policy is None:
+            raise CLIError(f"the secret file {secret_path} is empty", EXIT_USAGE)
+    node = SwarmNode(list(initial_peers), identity_path=identity_path, timeout=timeout, policy=policy)
     try:
         node.start(attempts=1)
         # hivemind's optimizers sign their progress records: without this validator they cannot be decoded
@@ -84,6 +103,11 @@ def open_node(initial_peers: Sequence[str], timeout: float) -> Any:
         reason = str(e).split(": ", 1)[-1]
         reason = re.sub(r"^(Daemon failed to start: )?\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", reason)
         raise CLIError(f"cannot reach the swarm through {', '.join(initial_peers)}: {reason}") from None
+    except (Exception, KeyboardInterrupt) as e:
+        node.shutdown()
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise CLIError(f"cannot join the swarm through {', '.join(initial_peers)}: {e!r}") from None
     except BaseException:
         node.shutdown()
         raise
@@ -187,8 +211,8 @@ def format_status(status: SwarmStatus, full_ids: bool = False) -> str:
     )
     stages_note = {"meta": "", "argument": "", "probed": " (guessed from live stages; pass --num-stages)"}
     lines = [
-        f"run {status.run_id!r}: {status.num_stages} stages{stages_note[status.num_stages_source]}, "
-        f"{peers} serving peers, {len(status.drivers)} drive-only, {training} training, "
+        f"run {status.run_id!r}: {_plural(status.num_stages, 'stage')}{stages_note[status.num_stages_source]}, "
+        f"{_plural(peers, 'serving peer')}, {len(status.drivers)} drive-only, {training} training, "
         f"trainers' step {number(status.local_step, '{}')}   ({time.strftime('%Y-%m-%d %H:%M:%S')})",
         "",
         f"{'STAGE':>5}  {'STEP':>6}  {'PEERS':>5}  {'SAMPLES/S':>9}  {'QUEUE':>5}",
@@ -217,6 +241,10 @@ def format_status(status: SwarmStatus, full_ids: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
@@ -225,13 +253,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise CLIError(f"--num-stages must be at least 1, got {args.num_stages}", EXIT_USAGE)
     if not re.fullmatch(r"[A-Za-z0-9_-]+", args.run_id):
         raise CLIError(f"--run-id {args.run_id!r}: use only letters, digits, '_' and '-'", EXIT_USAGE)
-    node = open_node(initial_peers, args.timeout)
+    node = open_node(initial_peers, args.timeout, args.identity_path, args.secret_path)
     try:
         while True:
             try:
                 status = read_status(node, args.run_id, args.num_stages)
             except TimeoutError:
-                raise CLIError(f"the swarm did not answer within {args.timeout:g}s") from None
+                hint = "" if args.secret_path else " (if it is a private swarm, pass --secret-path)"
+                raise CLIError(f"the swarm did not answer within {args.timeout:g}s{hint}") from None
+            except Exception as e:  # e.g. records that do not decode: a private swarm read without its secret
+                hint = "" if args.secret_path else " (a private swarm? pass --secret-path)"
+                raise CLIError(f"cannot read the swarm's records: {e!r}{hint}") from None
             if args.json:
                 text = json.dumps(status_dict(status), indent=2)
             else:
@@ -501,6 +533,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="refresh every SECONDS (default 5) until Ctrl-C",
     )
+    status.add_argument(
+        "--identity-path",
+        default=os.environ.get("SWARM_IDENTITY_PATH") or None,
+        help="key file of an identity on a private swarm's allow-list; default: $SWARM_IDENTITY_PATH",
+    )
+    status.add_argument(
+        "--secret-path",
+        default=os.environ.get("SWARM_SECRET_PATH") or None,
+        help="a private swarm's shared secret file; default: $SWARM_SECRET_PATH",
+    )
     status.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the swarm (default 15)")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.add_argument("--full-ids", action="store_true", help="print peer ids in full")
@@ -546,7 +588,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         args.demo_args = demo_args
-    logging.getLogger("hivemind").setLevel(logging.ERROR)  # the CLI reports failures itself, in one line
+    # the CLI reports failures itself, in one line; the DHT process (forked later) inherits these levels
+    logging.getLogger("hivemind").setLevel(logging.CRITICAL)
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     try:
         return args.handler(args)
     except CLIError as e:

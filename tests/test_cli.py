@@ -254,6 +254,25 @@ def test_status_of_a_live_swarm(swarm):
         _kill_group(watch)
 
 
+def test_status_of_a_private_swarm(swarm, tmp_path):
+    """A swarm with a shared secret: its records read only with the secret; without it, a one-line hint."""
+    secret = tmp_path / "swarm.secret"
+    secret.write_text("correct horse battery staple\n")
+    env = {"SWARM_NUM_STAGES": "1", "SWARM_ROLE": "serve", "SWARM_STAGE": "0", "SWARM_SECRET_PATH": str(secret)}
+    peer = swarm.start("private", SMALL_GPT, env=env)
+    wait_for_log(peer, "Serving stage 0 of 1")
+    address, peer_id = peer.addresses()[0], peer.addresses()[0].rsplit("/", 1)[-1]
+    common = ["status", "--initial-peers", address, "--run-id", swarm.run_id, "--timeout", "8"]
+
+    result = run_cli(*common, "--json", "--secret-path", str(secret))
+    assert result.returncode == 0, result.stderr
+    assert [r["peer_id"] for r in json.loads(result.stdout)["stages"][0]["peers"]] == [peer_id]
+
+    result = run_cli(*common)
+    assert result.returncode == cli.EXIT_ERROR and "pass --secret-path" in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+
+
 def test_status_of_nothing_fails_clearly():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
