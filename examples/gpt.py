@@ -266,6 +266,7 @@ def main() -> None:
     parser.add_argument("--single", action="store_true", help="plain single-process training, for comparison")
     parser.add_argument("--history", help="write this peer's loss history here (JSON)")
     parser.add_argument("--save", help="save the complete model here at the end (a normal Lightning checkpoint)")
+    parser.add_argument("--resume", help="continue training from this checkpoint (trainer.fit(ckpt_path=...))")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -286,7 +287,7 @@ def main() -> None:
         num_sanity_val_steps=0,
         enable_progress_bar=False,
     )
-    trainer.fit(model, dm)
+    trainer.fit(model, dm, ckpt_path=args.resume)
     if args.val_every:
         trainer.validate(model, dm)  # after fit, the same Trainer rejoins the swarm to evaluate
 

@@ -17,6 +17,7 @@ This file is the table of contents. Each step of SWARM lives in its own module:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import random
@@ -379,6 +380,70 @@ class SwarmStrategy(Strategy):
                 state[partitioning.stage_state_key(self._pipeline_name, span, key)] = tensor
         return state
 
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Load a checkpoint (``fit(ckpt_path=...)``): every stage this peer serves is seeded from it.
+
+        Lightning restores the checkpoint before ``setup``, while the whole pipeline is still in place: the served
+        stage is then cut from the checkpoint's weights. Blocks built on the meta device (``configure_model``) take
+        the checkpoint's tensors. A peer that joins a live swarm still downloads its stage's current state from the
+        peers serving it, which wins over the checkpoint. After a first ``fit`` (the pipeline already cut), the
+        local modules and the served stage are loaded from the checkpoint's keys.
+        """
+        state = checkpoint["state_dict"]
+        module = self.lightning_module
+        if self._pipeline_name is None:
+            tensors = [*module.parameters(), *module.buffers()]
+            module.load_state_dict(state, strict=strict, assign=any(t.is_meta for t in tensors))
+            return
+        prefix = self._pipeline_name + "."
+        module.load_state_dict({k: v for k, v in state.items() if not k.startswith(prefix)}, strict=False)
+        if self._stage_module is not None:
+            span = self._spans[self.served_stage]
+            keys = self._stage_module.state_dict().keys()
+            stage_state = {k: state[partitioning.stage_state_key(self._pipeline_name, span, k)] for k in keys}
+            with self.server.lock if self.server is not None else contextlib.nullcontext():
+                self._stage_module.load_state_dict(stage_state, strict=strict)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write ``filepath`` unless another peer of the swarm writes the same path now (see
+        :meth:`claim_checkpoint`): every peer's ``ModelCheckpoint`` saves the complete model, one of them is enough."""
+        if self.node is not None and not self.claim_checkpoint(str(filepath)):
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        self.__dict__.setdefault("_written_checkpoints", set()).add(os.path.abspath(str(filepath)))
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove only checkpoints this peer wrote: another peer's ``ModelCheckpoint`` must not delete them."""
+        written = self.__dict__.setdefault("_written_checkpoints", set())
+        if os.path.abspath(str(filepath)) in written:
+            written.discard(os.path.abspath(str(filepath)))
+            super().remove_checkpoint(filepath)
+
+    def claim_checkpoint(self, filepath: str, ttl: float = 60.0) -> bool:
+        """Whether this peer writes ``filepath``: the rule is one writer per absolute path at a time.
+
+        The peer claims the path in the DHT (``<run_id>_checkpoints``, a claim lasting ``ttl`` seconds), waits for
+        concurrent claims to land, and writes only if no peer with a smaller peer id claimed the same path within
+        ``ttl``; the others skip it and log which peer writes it. Peers that want copies of their own save to
+        different paths (even on separate disks, the same absolute path is written by one peer). If the DHT cannot
+        be read, the peer writes.
+        """
+        key = f"{self.run_id}_checkpoints"
+        path_id = hashlib.sha256(os.path.abspath(filepath).encode()).hexdigest()[:16]
+        me = str(self.node.peer_id)
+        try:
+            self.node.dht_store(key, f"{path_id}:{me}", time.time(), ttl=ttl)
+            time.sleep(min(1.0, self.update_period))  # let claims made at the same time land
+            claims = self.node.dht_get(key) or {}
+        except Exception as e:
+            log.warning("Could not claim checkpoint %s in the swarm (%r): writing it", filepath, e)
+            return True
+        claimants = sorted({str(sub).split(":", 1)[1] for sub in claims if str(sub).startswith(path_id + ":")} | {me})
+        if claimants[0] != me:
+            log.warning("Checkpoint %s is written by peer %s: this peer skips it", filepath, claimants[0])
+            return False
+        return True
+
     def fetch_stage_state(self, stage: int) -> dict[str, torch.Tensor]:
         """The current state dict of ``stage`` (stage-local keys), from this peer or a live peer of the stage."""
         if self.server is not None and self.served_stage == stage:
@@ -582,9 +647,7 @@ class SwarmStrategy(Strategy):
             )
             self._rebalancer.start()
 
-    def _on_swarm_change(
-        self, kind: str, peer: str, before: Optional[PeerRecord], after: Optional[PeerRecord]
-    ) -> None:
+    def _on_swarm_change(self, kind: str, peer: str, before: Optional[PeerRecord], after: Optional[PeerRecord]) -> None:
         if kind == "joined":
             self.events.emit(PeerJoined(peer, after.stage))
         elif kind == "left":

@@ -1,0 +1,137 @@
+"""Complete checkpoints: a checkpoint saved on a peer of a 3-stage swarm holds every stage, loads into the plain
+model (which then computes what the swarm computes), and ``fit(ckpt_path=...)`` resumes a swarm from it."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from conftest import SMALL_GPT
+from raw_client import RawClient, wait_until_serving, wire
+from test_swarm import FAST
+
+from lightning_swarm.node import SwarmNode
+
+GPT_ARGS = [*SMALL_GPT[:2], *SMALL_GPT[4:], "--n-layer", "3", "--lr", "1e-2"]  # three blocks: one per stage
+EVAL_META = {"codec": "none", "train": False}
+
+
+def losses(path) -> list[float]:
+    with open(path) as f:
+        return json.load(f)["losses"]
+
+
+def start_stages(swarm, env: dict, prefix: str, resume=None) -> list:
+    extra = ["--resume", str(resume)] if resume else []
+    return [
+        swarm.start(f"{prefix}{k}", [*GPT_ARGS, *extra], env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": str(k)})
+        for k in range(3)
+    ]
+
+
+def test_checkpoint_loads_into_the_plain_model_and_resumes_the_swarm(swarm, tmp_path):
+    from gpt import GPT
+
+    env = {**FAST, "SWARM_NUM_STAGES": "3", "SWARM_COMPRESSION": "none", "SWARM_TARGET_BATCH_SIZE": "8"}
+    ckpt = tmp_path / "swarm.ckpt"
+    stages = start_stages(swarm, env, "stage")
+    first = tmp_path / "first.json"
+    args = [*GPT_ARGS, "--max-steps", "12", "--history", str(first), "--save", str(ckpt)]
+    swarm.start("trainer", args, env={**env, "SWARM_ROLE": "drive"})
+    assert swarm.wait("trainer", timeout=300) == 0, swarm.peers["trainer"].log()[-3000:]
+
+    # the checkpoint in a plain, single-process model, against the live stages on the same inputs
+    model = GPT.load_from_checkpoint(ckpt, map_location="cpu").eval()
+    node = SwarmNode(initial_peers=stages[0].addresses()).start()
+    try:
+        clients = [RawClient(node, peer.addresses()[0], swarm.run_id, stage=k) for k, peer in enumerate(stages)]
+        for client, peer in zip(clients, stages):
+            wait_until_serving(client, peer)
+        idx = torch.randint(0, model.hparams.vocab_size, (4, model.hparams.block_size))
+        with torch.no_grad():
+            hidden = model.tok_emb(idx) + model.pos_emb(torch.arange(idx.shape[1]))
+            expected = model.blocks(hidden)
+            through_swarm = hidden
+            for client in clients:
+                (through_swarm,) = client.call("forward", [wire(through_swarm)], EVAL_META)
+            logits = model.head(model.ln_f(through_swarm))
+            difference = (through_swarm - expected).abs().max().item()
+            assert torch.allclose(logits, model(idx), atol=1e-5)
+    finally:
+        node.shutdown()
+    print(f"checkpoint: max |swarm - plain model| on the pipeline's output = {difference:.3g}")
+    assert difference < 1e-5
+
+    # resume: a new swarm (its stages seeded from the checkpoint) and a trainer continue the loss curve
+    for name in ("stage0", "stage1", "stage2"):
+        swarm.stop(name)
+    start_stages(swarm, env, "resumed", resume=ckpt)
+    second = tmp_path / "second.json"
+    args = [*GPT_ARGS, "--max-steps", "18", "--history", str(second), "--resume", str(ckpt)]
+    swarm.start("resumed_trainer", args, env={**env, "SWARM_ROLE": "drive"})
+    assert swarm.wait("resumed_trainer", timeout=300) == 0, swarm.peers["resumed_trainer"].log()[-3000:]
+    before, after = losses(first), losses(second)
+    drop = before[0] - sum(before[-3:]) / 3
+    resumed = sum(after[:3]) / 3
+    print(
+        f"resume: loss {before[0]:.3f} -> {sum(before[-3:]) / 3:.3f} over {len(before)} steps; after resuming "
+        f"{after[:3]} ({len(after)} more steps)"
+    )
+    assert len(after) == 18 - 12  # the step count was restored too
+    assert drop > 0.3, "the first run learnt too little for the comparison to mean anything"
+    assert resumed < before[0] - 0.6 * drop  # not back at the initial loss
+
+
+def test_one_peer_writes_a_checkpoint_path(tmp_path):
+    """Peers saving the same path at once: exactly one (the smallest peer id) writes it; other paths are free."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lightning_swarm import SwarmStrategy
+
+    strategies = [SwarmStrategy(run_id="claims", update_period=0.5) for _ in range(3)]
+    first = SwarmNode().start()
+    nodes = [first, *(SwarmNode(first.visible_maddrs()).start() for _ in range(2))]
+    try:
+        for strategy, node in zip(strategies, nodes):
+            strategy.node = node
+        path = str(tmp_path / "last.ckpt")
+        with ThreadPoolExecutor(3) as pool:
+            claimed = list(pool.map(lambda s: s.claim_checkpoint(path), strategies))
+        smallest = min(range(3), key=lambda i: str(nodes[i].peer_id))
+        assert claimed == [i == smallest for i in range(3)]
+        assert all(s.claim_checkpoint(str(tmp_path / f"own{i}.ckpt")) for i, s in enumerate(strategies))
+        loser = next(s for i, s in enumerate(strategies) if i != smallest)
+        assert not loser.claim_checkpoint(path)  # the writer's claim is still fresh
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
+def small_gpt(seed: int, meta: bool = False):
+    from gpt import GPT
+
+    torch.manual_seed(seed)
+    with torch.device("meta") if meta else torch.device("cpu"):
+        return GPT(vocab_size=20, block_size=8, d_model=16, n_layer=3, n_head=2)
+
+
+def test_checkpoint_seeds_meta_blocks_and_a_cut_pipeline():
+    """Without processes: ``load_model_state_dict`` fills a model built on the meta device, and, once the pipeline
+    is cut, loads the local modules and the served stage from the checkpoint's keys."""
+    from lightning_swarm import SwarmStrategy
+
+    saved = small_gpt(seed=1).state_dict()
+    strategy = SwarmStrategy(run_id="ckpt", num_stages=3, stage=1)
+    strategy.connect(small_gpt(seed=2, meta=True))
+    strategy.load_model_state_dict({"state_dict": saved})
+    loaded = strategy.lightning_module.state_dict()
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+    strategy = SwarmStrategy(run_id="ckpt", num_stages=3, stage=1)
+    model = small_gpt(seed=2)
+    strategy.connect(model)
+    strategy._partition(model)  # what setup does: keep stage 1, put a placeholder in the pipeline's place
+    strategy.load_model_state_dict({"state_dict": saved})
+    assert torch.equal(model.head.weight, saved["head.weight"])
+    stage = strategy._stage_module.state_dict()
+    assert stage.keys() and all(torch.equal(stage[k], saved["blocks.1." + k.split(".", 1)[1]]) for k in stage)
