@@ -20,6 +20,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_swarm  # noqa: F401  (registers strategy="swarm")
+from lightning_swarm.callbacks import SwarmMonitor
 
 SHAPES = ("circle", "square", "triangle", "cross")
 
@@ -127,7 +128,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="model initialisation: the same on every peer")
     parser.add_argument("--data-seed", type=int, default=0, help="which images this peer trains on")
     parser.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: never)")
-    parser.add_argument("--log-dir", help="write metrics.csv (CSVLogger) under this directory")
+    parser.add_argument("--log-dir", help="write metrics.csv (CSVLogger, with the swarm's state) under this directory")
     parser.add_argument("--single", action="store_true", help="plain single-process training, for comparison")
     args = parser.parse_args()
 
@@ -140,6 +141,7 @@ def main() -> None:
         accelerator="auto",
         max_steps=args.max_steps,
         logger=CSVLogger(args.log_dir, name="vision") if args.log_dir else False,
+        callbacks=[SwarmMonitor()] if args.log_dir and not args.single else [],  # lightning-swarm plot draws these
         log_every_n_steps=1,
         enable_checkpointing=False,
         enable_model_summary=False,

@@ -4,6 +4,7 @@
     lightning-swarm status --watch 5            # SWARM_INITIAL_PEERS and SWARM_RUN_ID from the environment
     lightning-swarm plot lightning_logs/ -o run.png
     lightning-swarm demo                        # the same as python examples/demo.py in a checkout
+    lightning-swarm arguments                   # every strategy argument and its SWARM_* variable
 
 Exit codes: 0 success, 1 the swarm could not be reached or read (or another error, explained on stderr), 2 bad
 usage, 3 the swarm was reached but no peer of the run was found.
@@ -22,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
@@ -404,13 +406,20 @@ def plot_metrics(files: Sequence[Path], out: Path, mode: str = "step") -> list:
             for k, name in stages:
                 xs, ys = series(columns, x, name)
                 if xs:
-                    ax.plot(xs, ys, label=f"{prefix}stage {k}", color=stage_colour(k % 10), linestyle=style,
-                            drawstyle="steps-post")
+                    ax.plot(
+                        xs,
+                        ys,
+                        label=f"{prefix}stage {k}",
+                        color=stage_colour(k % 10),
+                        linestyle=style,
+                        drawstyle="steps-post",
+                    )
                     drawn[ax] = True
         xs, ys = series(columns, x, "swarm/peers")
         if xs:
-            ax_peers.plot(xs, ys, label=prefix + "all peers", color="black", linestyle=style, linewidth=1,
-                          drawstyle="steps-post")
+            ax_peers.plot(
+                xs, ys, label=prefix + "all peers", color="black", linestyle=style, linewidth=1, drawstyle="steps-post"
+            )
             drawn[ax_peers] = True
         for name in EVENTS:
             events[name] += event_points(columns, x, name)
@@ -420,8 +429,14 @@ def plot_metrics(files: Sequence[Path], out: Path, mode: str = "step") -> list:
         label, colour, style = EVENTS[name]
         for j, a in enumerate(sorted(set(points))):
             for ax in (ax_loss, ax_thr, ax_peers):
-                ax.axvline(a, color=colour, linestyle=style, linewidth=1, alpha=0.8,
-                           label=label if ax is ax_loss and j == 0 else None)
+                ax.axvline(
+                    a,
+                    color=colour,
+                    linestyle=style,
+                    linewidth=1,
+                    alpha=0.8,
+                    label=label if ax is ax_loss and j == 0 else None,
+                )
     marked = any(events.values())
     ax_peers.yaxis.set_major_locator(MaxNLocator(integer=True))
 
@@ -489,6 +504,117 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return subprocess.call(command)
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# ---- arguments ----------------------------------------------------------------------------------------------------
+
+
+def docstring_args(doc: str) -> dict:
+    """The ``Args:`` section of a Google-style docstring: argument name -> its description on one line."""
+    described: dict = {}
+    lines = (doc or "").expandtabs().splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == "Args:")
+    except StopIteration:
+        return described
+    indent, name = None, None
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip())
+        indent = depth if indent is None else indent
+        if depth < indent:
+            break  # the section ended
+        match = re.match(r"(\w+)(?: \([^)]*\))?: ?(.*)", line.strip())
+        if depth == indent and match:
+            name = match.group(1)
+            described[name] = match.group(2)
+        elif name is not None:
+            described[name] += " " + line.strip()
+    return described
+
+
+def strategy_arguments() -> list:
+    """Every ``SwarmStrategy`` argument: name, environment variable, type, default and description."""
+    import inspect
+
+    from lightning_swarm import strategy as strategy_module
+    from lightning_swarm.strategy import SwarmStrategy
+
+    prefix = strategy_module.ENV_PREFIX
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(prefix)}
+    try:
+        defaults = SwarmStrategy()  # nothing starts in the constructor; every argument takes its default
+    finally:
+        os.environ.update(saved)
+    described = docstring_args(SwarmStrategy.__doc__)
+    try:
+        hints = typing.get_type_hints(SwarmStrategy.__init__)
+    except Exception:  # an annotation that does not resolve: show it as written
+        hints = {}
+    out = []
+    for name, parameter in inspect.signature(SwarmStrategy.__init__).parameters.items():
+        if name == "self" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        kind = _type_name(hints.get(name, parameter.annotation))
+        value = getattr(defaults, name, None)
+        if isinstance(value, (list, tuple, set, frozenset)):
+            value = ",".join(map(str, value)) or "(empty)"
+        out.append(
+            {
+                "name": name,
+                "env": prefix + name.upper(),
+                "type": kind,
+                "default": "-" if value is None else str(value),
+                "description": described.get(name, ""),
+            }
+        )
+    return out
+
+
+def _type_name(annotation: Any) -> str:
+    """``Optional[Literal['a', 'b']]`` -> ``'a' | 'b'``; ``Optional[Union[str, list[str]]]`` -> ``str | list[str]``."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union:
+        return " | ".join(_type_name(a) for a in args)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if isinstance(annotation, type) and not args:
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+MARKDOWN_HEADER = """# SwarmStrategy's arguments
+
+Every argument of `SwarmStrategy` left unset (None) is read from the environment variable `SWARM_<ARGUMENT>`,
+then takes the default below. Lists (multiaddrs, peer ids) are comma separated in the environment. The same
+arguments are the `init_args` of `trainer.strategy` in a LightningCLI config (see
+[command_line.md](command_line.md)).
+
+Generated from the strategy's docstring and defaults by `lightning-swarm arguments --markdown > docs/arguments.md`
+(run it again after changing them). `lightning-swarm arguments` prints the same list in a terminal, and
+`python examples/gpt_cli.py fit --trainer.strategy.help SwarmStrategy` shows them as LightningCLI flags.
+"""
+
+
+def cmd_arguments(args: argparse.Namespace) -> int:
+    arguments = strategy_arguments()
+    if args.markdown:
+        print(MARKDOWN_HEADER)
+        print("| argument | environment variable | default | meaning |")
+        print("| --- | --- | --- | --- |")
+        for a in arguments:
+            cells = [f"`{a['name']}` ({a['type']})", f"`{a['env']}`", f"`{a['default']}`", a["description"]]
+            print("| " + " | ".join(c.replace("|", "\\|").replace("``", "`") for c in cells) + " |")
+        return 0
+    import textwrap
+
+    for a in arguments:
+        print(f"{a['name']} ({a['type']}, default {a['default']}), env {a['env']}")
+        text = a["description"].replace("``", "`")
+        print(textwrap.fill(text, width=100, initial_indent="    ", subsequent_indent="    "))
+    return 0
 
 
 # ---- entry point ----------------------------------------------------------------------------------------------------
@@ -566,6 +692,14 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     demo.set_defaults(handler=cmd_demo, demo_args=[])
+
+    arguments = commands.add_parser(
+        "arguments",
+        help="list every SwarmStrategy argument with its SWARM_* environment variable, default and meaning",
+        description="Every SwarmStrategy argument; each is also read from its environment variable when not given.",
+    )
+    arguments.add_argument("--markdown", action="store_true", help="print a Markdown table (docs/arguments.md)")
+    arguments.set_defaults(handler=cmd_arguments)
     return parser
 
 

@@ -377,6 +377,26 @@ def test_plot_what_is_present(tmp_path, capsys):
     assert "no wall-time column" in capsys.readouterr().err
 
 
+# ---- lightning-swarm arguments -------------------------------------------------------------------------------------
+
+
+def test_arguments_are_listed_and_documented(capsys):
+    parsed = {p.arg_name: " ".join(p.description.split()) for p in docstring_parser.parse(SwarmStrategy.__doc__).params}
+    assert cli.docstring_args(SwarmStrategy.__doc__) == parsed  # the command's own parser reads what jsonargparse reads
+    arguments = {a["name"]: a for a in cli.strategy_arguments()}
+    assert arguments.keys() == set(inspect.signature(SwarmStrategy.__init__).parameters) - {"self"}
+    assert arguments["num_stages"]["env"] == "SWARM_NUM_STAGES" and arguments["num_stages"]["default"] == "2"
+    assert arguments["role"]["type"] == "'both' | 'serve' | 'drive'" and arguments["run_id"]["default"] == "swarm"
+
+    assert cli.main(["arguments", "--markdown"]) == 0
+    table = capsys.readouterr().out
+    docs = (ROOT / "docs" / "arguments.md").read_text()
+    for name in arguments:
+        row = f"| `{name}` ("
+        assert row in table
+        assert row in docs, f"docs/arguments.md lacks {name}: lightning-swarm arguments --markdown > docs/arguments.md"
+
+
 # ---- lightning-swarm demo ------------------------------------------------------------------------------------------
 
 
