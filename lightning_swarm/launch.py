@@ -46,9 +46,16 @@ class LocalSwarm:
         self.peers: dict[str, Peer] = {}
         self.workdir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, args: Sequence[str] = (), env: Optional[dict] = None, wait: float = 120.0) -> Peer:
-        """Start a peer and wait (up to ``wait`` seconds) until it is reachable. Peers may be started from several
-        threads at once, to have them join together."""
+    def start(
+        self,
+        name: str,
+        args: Sequence[str] = (),
+        env: Optional[dict] = None,
+        wait: float = 120.0,
+        script: Optional[Sequence[str]] = None,
+    ) -> Peer:
+        """Start a peer (running ``script`` instead of the swarm's, if given) and wait (up to ``wait`` seconds)
+        until it is reachable. Peers may be started from several threads at once, to have them join together."""
         address_path = self.workdir / f"{name}.addr"
         address_path.unlink(missing_ok=True)
         peer_env = {**os.environ, **self.env, **(env or {})}
@@ -59,7 +66,7 @@ class LocalSwarm:
         log_path = self.workdir / f"{name}.log"
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
-                [sys.executable, *self.script, *args],
+                [sys.executable, *(self.script if script is None else script), *args],
                 env=peer_env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -156,7 +156,10 @@ def _candidates(movable: list[str], allocation: dict[str, int], num_stages: int)
     for i, peer in enumerate(movable):
         for other in movable[i + 1 :]:
             if allocation[peer] != allocation[other]:
-                yield [Move(peer, allocation[peer], allocation[other]), Move(other, allocation[other], allocation[peer])]
+                yield [
+                    Move(peer, allocation[peer], allocation[other]),
+                    Move(other, allocation[other], allocation[peer]),
+                ]
 
 
 def _raises(after: list[float], before: list[float], tolerance: float = 1e-9) -> bool:

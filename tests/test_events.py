@@ -1,0 +1,151 @@
+"""Swarm events reach Lightning callbacks on the training thread, in a real swarm on loopback; SwarmMonitor logs
+the swarm through the Trainer's logger; ModelCheckpoint and EarlyStopping keep working beside them."""
+
+from __future__ import annotations
+
+import csv
+import json
+import signal
+import time
+from pathlib import Path
+
+import torch
+from conftest import SMALL_GPT
+from test_swarm import FAST
+
+from lightning_swarm.callbacks import SwarmCallback, dispatch
+from lightning_swarm.events import EventQueue, Failover, PeerJoined, PeerLeft, StageChanged, StageStep
+
+EVENT_PEER = str(Path(__file__).with_name("event_peer.py"))
+FIELDS = {  # the documented fields of each event
+    "PeerJoined": {"peer_id", "stage", "time"},
+    "PeerLeft": {"peer_id", "stage", "reason", "time"},
+    "StageChanged": {"peer_id", "from_stage", "to_stage", "reason", "predicted_gain", "time"},
+    "StageStep": {"stage", "epoch", "time"},
+    "Failover": {"stage", "method", "failed_peer", "retried_on", "error", "time"},
+}
+
+
+def peer_id(peer) -> str:
+    return peer.addresses()[0].rsplit("/", 1)[-1]
+
+
+def events_of(out: Path) -> list[dict]:
+    path = out / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(what: str, condition, peer, timeout: float):
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        assert peer.alive(), f"the recording peer died waiting for {what}:\n{peer.log()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s:\n{peer.log()[-3000:]}"
+        time.sleep(0.5)
+    return found
+
+
+def test_callbacks_receive_every_event_type(swarm, tmp_path):
+    """A peer that trains and serves stage 0 records its events while peers join stage 1 (which makes one of them
+    move to stage 0), one is killed with SIGKILL mid-training (the recorder's calls to it fail over) and the mover
+    leaves with SIGTERM."""
+    out = tmp_path / "recorder"
+    env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "8", "SWARM_REBALANCE_PERIOD": "6"}
+    # records outlive a killed peer by up to 6 s: the recorder's router still picks it, and fails over
+    env.update(SWARM_BAN_TIMEOUT="5.0", SWARM_REQUEST_TIMEOUT="10.0", SWARM_UPDATE_PERIOD="3.0")
+    serve = {**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"}
+    swarm.start("x", SMALL_GPT, env=serve)
+    # the recorder stays at stage 0 (it does not rebalance itself), so that it calls stage 1 over the network
+    recorder_env = {**env, "SWARM_STAGE": "0", "SWARM_REBALANCE_PERIOD": "0"}
+    recorder = swarm.start("r", [str(out)], env=recorder_env, script=[EVENT_PEER])
+    wait_for("training", lambda: (out / "steps").exists(), recorder, 120)
+    names = {peer_id(swarm.peers["x"]): "x", peer_id(recorder): "r"}
+    for name in "yz":
+        names[peer_id(swarm.start(name, SMALL_GPT, env=serve))] = name
+
+    def event(kind: str, **fields):
+        return lambda: [e for e in events_of(out) if e["type"] == kind and fields.items() <= e.items()]
+
+    joined = lambda: {names.get(e["peer_id"]) for e in event("PeerJoined", stage=1)()} >= {"y", "z"}  # noqa: E731
+    wait_for("y and z joining", joined, recorder, 60)
+    (moved,) = wait_for("a peer moving to stage 0", event("StageChanged", from_stage=1, to_stage=0), recorder, 90)
+    mover = names[moved["peer_id"]]
+    assert mover in "xyz" and moved["predicted_gain"] is None  # seen from the recorder, not planned by it
+
+    victim = next(name for name in "yzx" if name != mover)
+    swarm.signal(victim, signal.SIGKILL)
+    failover = wait_for(
+        "a failover", event("Failover", stage=1, failed_peer=peer_id(swarm.peers[victim])), recorder, 60
+    )
+    wait_for("the killed peer's record expiring", event("PeerLeft", peer_id=peer_id(swarm.peers[victim])), recorder, 30)
+    assert names[failover[0]["retried_on"]] not in (victim, "r")
+
+    swarm.signal(mover, signal.SIGTERM)
+    assert swarm.wait(mover, timeout=60) == 0
+    left = wait_for("the mover leaving", event("PeerLeft", peer_id=peer_id(swarm.peers[mover])), recorder, 30)
+    assert left[-1]["reason"] == "announced" and left[-1]["stage"] == 0
+
+    swarm.signal("r", signal.SIGTERM)
+    assert swarm.wait("r", timeout=120) == 0, recorder.log()[-3000:]
+    recorded = events_of(out)
+    assert {e["type"] for e in recorded} == set(FIELDS)
+    for e in recorded:
+        assert set(e) - {"hook", "type"} == FIELDS[e["type"]], e
+        assert e["hook"].startswith("on_swarm_")
+    steps = [e["epoch"] for e in recorded if e["type"] == "StageStep"]
+    assert (
+        steps == sorted(steps) and steps[0] >= 1 and all(e["stage"] == 0 for e in recorded if e["type"] == "StageStep")
+    )
+    assert any(e["type"] == "PeerLeft" and e["reason"] == "record expired" for e in recorded)
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["early_stopping_best"] < 10  # EarlyStopping saw train_loss at each 10-step epoch
+    assert summary["checkpoints"], "ModelCheckpoint wrote nothing"
+    checkpoint = torch.load(out / "checkpoints" / summary["checkpoints"][-1], weights_only=False)
+    assert any(k.startswith("blocks.1.") for k in checkpoint["state_dict"])  # the complete model, stage 1 included
+
+    (metrics,) = (out / "log").glob("version_*/metrics.csv")
+    rows = list(csv.DictReader(metrics.open()))
+    logged = [r for r in rows if r.get("swarm/peers")]
+    assert logged and {"swarm/stage", "swarm/step", "swarm/stage0_throughput", "swarm/stage1_peers"} <= set(rows[0])
+    assert {"swarm/bytes_sent", "swarm/compression_ratio", "swarm/failovers", "swarm/rebalances"} <= set(rows[0])
+    assert float(logged[-1]["swarm/failovers"]) >= 1 and float(logged[-1]["swarm/rebalances"]) >= 1
+    assert max(float(r["swarm/peers"]) for r in logged) >= 3
+    assert 3.5 < max(float(r["swarm/compression_ratio"]) for r in logged) <= 4.0  # 8-bit on the wire
+
+
+class _Hooks(SwarmCallback):
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def on_swarm_peer_joined(self, trainer, pl_module, event) -> None:
+        self.seen.append(event)
+
+    def on_swarm_failover(self, trainer, pl_module, event) -> None:
+        self.seen.append(event)
+
+
+class _Trainer:
+    lightning_module = object()
+
+    def __init__(self, callbacks) -> None:
+        self.callbacks = callbacks
+
+
+def test_events_raised_on_other_threads_are_dispatched_in_order_and_only_to_hooks_that_exist():
+    import threading
+
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    queue = EventQueue()
+    raised = [PeerJoined("a", 0), Failover(1, "forward", "a", "b", "boom"), StageStep(0, 1), PeerLeft("a", 0, "x")]
+    thread = threading.Thread(target=lambda: [queue.emit(e) for e in raised])
+    thread.start()
+    thread.join()
+    hooks = _Hooks()
+    dispatch(_Trainer([EarlyStopping(monitor="x"), hooks, SwarmCallback()]), queue.drain())
+    assert hooks.seen == raised[:2]
+    assert queue.drain() == []
+    small = EventQueue(maxsize=2)
+    for i in range(5):
+        small.emit(StageChanged(str(i), 0, 1, "test"))
+    assert [e.peer_id for e in small.drain()] == ["3", "4"] and small.dropped == 3
