@@ -208,13 +208,14 @@ def format_status(status: SwarmStatus, full_ids: bool = False) -> str:
         return "-" if value is None else fmt.format(value)
 
     peers = sum(len(s.peers) for s in status.stages)
+    serving = sum(_serving(r) for s in status.stages for r in s.peers.values())
     training = sum(r.training for s in status.stages for r in s.peers.values()) + sum(
         r.training for r in status.drivers.values()
     )
     stages_note = {"meta": "", "argument": "", "probed": " (guessed from live stages; pass --num-stages)"}
     lines = [
         f"run {status.run_id!r}: {_plural(status.num_stages, 'stage')}{stages_note[status.num_stages_source]}, "
-        f"{_plural(peers, 'serving peer')}, {len(status.drivers)} drive-only, {training} training, "
+        f"{_plural(peers, 'stage peer')} ({serving} serving), {len(status.drivers)} drive-only, {training} training, "
         f"trainers' step {number(status.local_step, '{}')}   ({time.strftime('%Y-%m-%d %H:%M:%S')})",
         "",
         f"{'STAGE':>5}  {'STEP':>6}  {'PEERS':>5}  {'SAMPLES/S':>9}  {'QUEUE':>5}",
@@ -230,7 +231,7 @@ def format_status(status: SwarmStatus, full_ids: bool = False) -> str:
     rows = [(s.index, r) for s in status.stages for r in sorted(s.peers.values(), key=lambda r: r.peer_id)]
     rows += [(None, r) for r in sorted(status.drivers.values(), key=lambda r: r.peer_id)]
     if rows:
-        width = max(len(peer_name(r.peer_id)) for _, r in rows)
+        width = max(len("PEER"), *(len(peer_name(r.peer_id)) for _, r in rows))
         lines += ["", f"{'PEER':<{width}}  {'STAGE':>5}  {'STATE':<8}  {'SAMPLES/S':>9}  {'QUEUE':>5}  TRAINING"]
         for stage, r in rows:
             state = "driving" if stage is None and r.state == PeerState.SERVING else r.state.name.lower()

@@ -222,7 +222,7 @@ def test_status_of_a_live_swarm(swarm):
     result = run_cli("status", "--initial-peers", address, "--run-id", swarm.run_id, "--num-stages", "2", "--full-ids")
     print(result.stdout)
     assert result.returncode == 0, result.stderr
-    assert f"run {swarm.run_id!r}: 2 stages, 2 serving peers" in result.stdout
+    assert f"run {swarm.run_id!r}: 2 stages, 2 stage peers (2 serving)" in result.stdout
     assert re.search(r"STAGE +STEP +PEERS +SAMPLES/S +QUEUE", result.stdout)
     for k in range(2):
         assert re.search(rf"^{ids[k]} +{k} +serving +[\d.]+ +0 +no$", result.stdout, re.MULTILINE), result.stdout
@@ -271,6 +271,56 @@ def test_status_of_a_private_swarm(swarm, tmp_path):
     result = run_cli(*common)
     assert result.returncode == cli.EXIT_ERROR and "pass --secret-path" in result.stderr, result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+
+
+class FakeNode:
+    """The DHT as status reads it: key -> {subkey: value}, no network."""
+
+    def __init__(self, records: dict) -> None:
+        self.records = records
+
+    def dht_get(self, key: str, timeout=None):
+        return self.records.get(key)
+
+
+def test_status_read_and_formatted_without_a_network():
+    from lightning_swarm.discovery import PeerRecord, PeerState
+
+    def record(peer, stage, state=PeerState.SERVING, throughput=0.0, queue=0, training=False):
+        return PeerRecord(peer, stage, state, throughput, queue, training).to_value()
+
+    def progress(epoch):  # hivemind's LocalTrainingProgress, as its ProgressTracker stores it
+        return {"peer_id": b"x", "epoch": epoch, "samples_accumulated": 0, "samples_per_second": 1.0,
+                "time": 0.0, "client_mode": False}  # fmt: skip
+
+    records = {
+        "r_meta": {"a": {"num_stages": 3, "spans": [[0, 1], [1, 2], [2, 3]]}},
+        "r_stage0": {"a": record("a", 0, throughput=10.0, queue=2, training=True), "b": record("b", 0, throughput=5.0)},
+        "r_stage1": {"c": record("c", 1, PeerState.JOINING)},
+        "r_drivers": {"d": record("d", None, training=True), "junk": ("not", "a", "record")},
+        "r_stage0_progress": {"a": progress(7), "b": progress(6), "bad": {"epoch": "7"}},
+        "r_local_progress": {"d": progress(12)},
+    }
+    status = cli.read_status(FakeNode(records), "r")
+    assert (status.num_stages, status.num_stages_source) == (3, "meta")
+    assert [s.step for s in status.stages] == [7, None, None] and status.local_step == 12
+    assert set(status.stages[0].peers) == {"a", "b"} and set(status.drivers) == {"d"}  # the malformed one dropped
+    text = cli.format_status(status)
+    print(text)
+    assert "run 'r': 3 stages, 3 stage peers (2 serving), 1 drive-only, 2 training, trainers' step 12" in text
+    assert re.search(r"^ +0 +7 +2 +15\.0 +2$", text, re.MULTILINE)  # stage 0: step 7, 2 peers, 15 samples/s, queue 2
+    assert re.search(r"^ +1 +- +1 +0\.0 +0  <- no serving peer$", text, re.MULTILINE)  # only joining
+    assert re.search(r"^ +2 +- +0 +0\.0 +0  <- no serving peer$", text, re.MULTILINE)
+    assert re.search(r"^c +1 +joining +0\.0 +0 +no$", text, re.MULTILINE)
+    assert re.search(r"^d +- +driving +- +- +yes$", text, re.MULTILINE)
+    as_json = cli.status_dict(status)
+    assert as_json["stages"][0]["peers"][0]["state"] == "serving" and as_json["drivers"][0]["training"] is True
+
+    del records["r_meta"]  # the layout record expired: count the stages from the live ones
+    status = cli.read_status(FakeNode(records), "r")
+    assert (status.num_stages, status.num_stages_source) == (2, "probed")
+    assert "guessed from live stages" in cli.format_status(status)
+    assert cli.read_status(FakeNode(records), "r", num_stages=4).num_stages == 4
 
 
 def test_status_of_nothing_fails_clearly():
