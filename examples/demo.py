@@ -1,6 +1,8 @@
 """A local demo swarm: several peer processes on this machine train the GPT in examples/gpt.py together.
 
-    python examples/demo.py            # 4 peers, 2 stages, ~2 minutes on a 2-core CPU
+    python examples/demo.py                    # 4 peers, 2 stages, ~4 minutes on a 2-core CPU
+    python examples/demo.py --skewed --slow 1  # 3 peers start on stage 0, one peer at a third of its speed:
+                                               # watch the swarm rebalance (the summary lists the moves)
 
 Every peer runs examples/gpt.py, exactly as it would on its own machine; the first one starts the swarm and the
 others join through its address. Each serves one stage and trains on its own stream of batches.
@@ -34,6 +36,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="training steps of each peer")
     parser.add_argument("--compression", default="8bit", choices=["8bit", "float16", "none"])
     parser.add_argument("--model", default="--d-model 64 --n-layer 4 --n-head 4 --block-size 64 --batch-size 16")
+    parser.add_argument("--skewed", action="store_true", help="start every peer but one on stage 0")
+    parser.add_argument("--slow", type=int, default=0, help="slow this many peers down to a third of their speed")
+    parser.add_argument("--rebalance-period", type=float, default=20.0, help="seconds between rebalancing rounds")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # leave through LocalSwarm's exit: it stops every peer
 
@@ -45,6 +50,7 @@ def main() -> None:
         "SWARM_MATCHMAKING_TIME": "1.0",
         "SWARM_AVERAGING_TIMEOUT": "5.0",
         "SWARM_UPDATE_PERIOD": "2.0",
+        "SWARM_REBALANCE_PERIOD": str(args.rebalance_period),
         "HIVEMIND_LOGLEVEL": "ERROR",
         "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_descriptor",
         "PYTHONWARNINGS": "ignore",
@@ -64,8 +70,11 @@ def main() -> None:
                 "--history",
                 str(histories[name]),
             ]
-            swarm.start(name, peer_args, env={"SWARM_STAGE": str(i % args.stages)})
-            print(f"  {name} joined as {swarm.peers[name].addresses()[0]}")
+            stage = (0 if i else args.stages - 1) if args.skewed else i % args.stages
+            throttle = "3" if i < args.slow else "1"
+            swarm.start(name, peer_args, env={"SWARM_STAGE": str(stage), "SWARM_THROTTLE": throttle})
+            slow = ", at a third of its speed" if i < args.slow else ""
+            print(f"  {name} joined stage {stage}{slow} as {swarm.peers[name].addresses()[0]}")
         while any(peer.alive() for peer in swarm.peers.values()):
             time.sleep(5)
             runs = [read(histories[name]) for name in names]
@@ -91,6 +100,18 @@ def main() -> None:
     print(f"  failovers            {sum(r.get('failovers', 0) for r in runs)}")
     sent = sum(r.get("bytes_sent", 0) for r in runs)
     print(f"  sent between stages  {sent / max(samples, 1) / 1024:.1f} KiB per sample (tensor payloads)")
+    moves = sorted(
+        (move["time"], name, move)
+        for name, r in zip(names, runs)
+        for move in r.get("stage_changes", [])
+        if move["predicted_gain"] is not None  # the peer's own moves (others are only seen)
+    )
+    print(f"  rebalancing moves    {len(moves)}")
+    for when, name, move in moves:
+        print(
+            f"    {when - start:5.0f}s  {name}: stage {move['from_stage']} -> {move['to_stage']}, {move['reason']}, "
+            f"predicted gain x{move['predicted_gain']:.2f}"
+        )
     shutil.rmtree(workdir, ignore_errors=True)
     sys.exit(1 if failed else 0)
 

@@ -6,6 +6,7 @@ pipeline strategy cuts into stages.
 """
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_swarm  # noqa: F401  (registers strategy="swarm")
+from lightning_swarm.callbacks import SwarmCallback
 
 
 class StdlibCorpus:
@@ -193,8 +195,8 @@ class GPT(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 
 
-class History(L.Callback):
-    """Records the training loss and timing of this peer, and writes them to ``path`` as JSON as it goes."""
+class History(SwarmCallback):
+    """Records the training loss, timing and swarm events of this peer, and writes them to ``path`` as JSON."""
 
     def __init__(self, path: Optional[str] = None, save: Optional[str] = None, every: int = 5) -> None:
         self.path, self.save, self.every = path, save, every
@@ -202,7 +204,11 @@ class History(L.Callback):
         self.val_losses: list[float] = []
         self.times: list[float] = []  # when each step ended, to measure steady-state throughput
         self.call_seconds: list[dict] = []  # after each step: seconds spent so far in calls to each stage
+        self.stage_changes: list[dict] = []  # rebalancing moves this peer made or saw
         self.samples, self.start = 0, time.time()
+
+    def on_swarm_stage_changed(self, trainer, pl_module, event) -> None:
+        self.stage_changes.append(dataclasses.asdict(event))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
@@ -242,6 +248,7 @@ class History(L.Callback):
             bytes_sent=router.stats.bytes_sent if router else 0,
             call_seconds=self.call_seconds,
             recomputed=router.stats.recomputed if router else 0,
+            stage_changes=self.stage_changes,
             peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         )
         with open(self.path + ".tmp", "w") as f:

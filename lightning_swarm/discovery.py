@@ -167,21 +167,9 @@ class SwarmWatcher:
         swarm, drivers = fetch_swarm(self.node, self.run_id, self.num_stages), fetch_stage(self.node, self.run_id, None)
         if self.latest is not None:
             leaving = {r.peer_id: r for r in [*drivers.values(), *_records(swarm)] if r.state == PeerState.LEAVING}
-            self._compare(self._by_peer(self.latest, self.drivers), self._by_peer(swarm, drivers), leaving)
+            self._compare(current_records(self.latest, self.drivers), current_records(swarm, drivers), leaving)
         self.latest, self.drivers = swarm, drivers
         return swarm
-
-    @staticmethod
-    def _by_peer(swarm: list[dict[str, PeerRecord]], drivers: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
-        """Each present peer's record. A moving peer announces its new stage (joining) before it leaves the old
-        one, so a peer found at two stages counts at the one it is joining."""
-        found: dict[str, PeerRecord] = {}
-        for record in [*drivers.values(), *_records(swarm)]:
-            if record.state == PeerState.LEAVING:
-                continue
-            if record.peer_id not in found or record.state == PeerState.JOINING:
-                found[record.peer_id] = record
-        return found
 
     def _compare(
         self, before: dict[str, PeerRecord], after: dict[str, PeerRecord], leaving: dict[str, PeerRecord]
@@ -193,6 +181,23 @@ class SwarmWatcher:
         for peer in before.keys() & after.keys():
             if before[peer].stage != after[peer].stage:
                 self.on_change("moved", peer, before[peer], after[peer])
+
+
+def current_records(
+    swarm: list[dict[str, PeerRecord]], drivers: Optional[dict[str, PeerRecord]] = None
+) -> dict[str, PeerRecord]:
+    """Each present peer's current record, by peer id; peers that announced they are leaving are left out.
+
+    A moving peer announces its new stage (joining) before it leaves the old one, and its old record can outlive
+    that by a few seconds if the "leaving" announcement was lost: a peer found at two stages counts at the one it
+    is joining, never twice."""
+    found: dict[str, PeerRecord] = {}
+    for record in [*(drivers or {}).values(), *_records(swarm)]:
+        if record.state == PeerState.LEAVING:
+            continue
+        if record.peer_id not in found or record.state == PeerState.JOINING:
+            found[record.peer_id] = record
+    return found
 
 
 def _records(swarm: list[dict[str, PeerRecord]]) -> list[PeerRecord]:

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
-from lightning_swarm.discovery import PeerRecord, PeerState
+from lightning_swarm.discovery import PeerRecord, PeerState, current_records
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def bottleneck(swarm: list[dict[str, PeerRecord]]) -> list[int]:
 
 
 def _present(swarm: list[dict[str, PeerRecord]]) -> list[PeerRecord]:
-    return [r for stage in swarm for r in stage.values() if r.state != PeerState.LEAVING and r.stage is not None]
+    return [r for r in current_records(swarm).values() if r.stage is not None]
 
 
 def _estimated_throughput(records: list[PeerRecord]) -> dict[str, float]:

@@ -347,6 +347,8 @@ class SwarmStrategy(Strategy):
 
     def on_train_end(self) -> None:
         self._service()
+        if self._rebalancer is not None:
+            self._rebalancer.paused.set()  # about to leave: a move would only cost the swarm a download
         self._set_training(False)
 
     def _set_training(self, training: bool) -> None:
@@ -673,6 +675,16 @@ class SwarmStrategy(Strategy):
         """Serve ``move.to_stage`` instead: leave the current stage gracefully, take the new stage's blocks, and
         download its parameters, optimizer state and step from a live peer of it before serving."""
         if self.served_stage != move.from_stage or self.server is None:
+            return
+        try:  # fresh records: never leave a stage without a peer
+            records = discovery.fetch_stage(self.node, self.run_id, move.from_stage).values()
+        except Exception as e:
+            log.warning(
+                "Not moving to stage %d: could not read stage %d's peers (%r)", move.to_stage, move.from_stage, e
+            )
+            return
+        if not any(r.state == PeerState.SERVING and r.peer_id != str(self.node.peer_id) for r in records):
+            log.warning("Not moving to stage %d: no other peer serves stage %d now", move.to_stage, move.from_stage)
             return
         self._rebalancer.paused.set()
         try:

@@ -103,6 +103,10 @@ def test_leaving_and_joining_peers():
     assert make_plan(swarm).moves == ()  # a+c against d: balanced
     swarm = records(allocation, throughput, 2, a=PeerState.JOINING, c=PeerState.JOINING)
     assert [m.peer_id for m in make_plan(swarm).moves] == ["b"]  # the only serving peer of stage 0
+    # a moving peer whose old record outlived its move counts once, at the stage it joins
+    swarm = records(allocation, throughput, 2)
+    swarm[1]["a"] = PeerRecord("a", 1, PeerState.JOINING, 10.0, 0)
+    assert make_plan(swarm).current == 20.0 and bottleneck(swarm) == [0, 1]
     # a peer not measured yet counts as the median peer
     throughput["d"] = 0.0
     assert make_plan(records(allocation, throughput, 2)).current == 10.0
