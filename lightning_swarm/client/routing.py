@@ -285,7 +285,8 @@ class StageRouter:
         return metadata if policy is None else policy.sign_metadata(metadata, self.run_id, self.node.peer_id, peer)
 
     def fetch_state(self, stage: int) -> dict[str, torch.Tensor]:
-        """Download the current state dict of ``stage`` from one of its live peers."""
+        """Download the current state dict of ``stage`` from one of its live peers (waiting up to
+        ``stage_wait_timeout`` seconds for one while the stage has none)."""
 
         async def download(stub, request) -> tuple[list[runtime_pb2.Tensor], dict]:
             parts, metadata = [], b""
@@ -294,11 +295,20 @@ class StageRouter:
                 metadata = metadata or response.metadata
             return protocol.combine(parts), protocol.decode_metadata(metadata)
 
-        errors = []
-        for _ in range(self.max_retries + 1):
+        errors: list[str] = []
+        waiting_since = None
+        while len(errors) <= self.max_retries:
             peer = self.choose(stage, 1, exclude=frozenset(errors))
             if peer is None:
-                break
+                self.refresh(stage, force=True)
+                peer = self.choose(stage, 1, exclude=frozenset(errors))
+            if peer is None and errors:
+                break  # every live peer failed to send it
+            if peer is None:  # no peer serves the stage right now: wait for one, as calls do
+                waiting_since = waiting_since or time.monotonic()
+                self._wait_for_peer(stage, waiting_since, None)
+                continue
+            waiting_since = None
             stub = StageServer.get_stub(self.node.p2p, PeerID.from_base58(peer), namespace=self.run_id)
             metadata = protocol.encode_metadata(self._with_token({}, peer))
             request = runtime_pb2.ExpertRequest(uid=stage_uid(self.run_id, stage), metadata=metadata)
