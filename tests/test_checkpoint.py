@@ -62,10 +62,20 @@ def test_checkpoint_loads_into_the_plain_model_and_resumes_the_swarm(swarm, tmp_
     print(f"checkpoint: max |swarm - plain model| on the pipeline's output = {difference:.3g}")
     assert difference < 1e-5
 
-    # resume: a new swarm (its stages seeded from the checkpoint) and a trainer continue the loss curve
+    # resume: a new swarm, its stages seeded from the checkpoint, and a trainer continue the loss curve
     for name in ("stage0", "stage1", "stage2"):
         swarm.stop(name)
-    start_stages(swarm, env, "resumed", resume=ckpt)
+    resumed_stages = start_stages(swarm, env, "resumed", resume=ckpt)
+    saved = torch.load(ckpt, weights_only=False)["state_dict"]
+    node = SwarmNode(initial_peers=resumed_stages[0].addresses()).start()
+    try:
+        for k, peer in enumerate(resumed_stages):  # one block per stage: stage k holds blocks.k as "0.*"
+            client = RawClient(node, peer.addresses()[0], swarm.run_id, stage=k)
+            wait_until_serving(client, peer)
+            state = client.state()
+            assert state and all(torch.equal(v, saved[f"blocks.{k}." + n.split(".", 1)[1]]) for n, v in state.items())
+    finally:
+        node.shutdown()
     second = tmp_path / "second.json"
     args = [*GPT_ARGS, "--max-steps", "18", "--history", str(second), "--resume", str(ckpt)]
     swarm.start("resumed_trainer", args, env={**env, "SWARM_ROLE": "drive"})
