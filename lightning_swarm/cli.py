@@ -724,8 +724,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "demo":
         args.demo_args = demo_args
     # the CLI reports failures itself, in one line; the DHT process (forked later) inherits these levels
-    logging.getLogger("hivemind").setLevel(logging.CRITICAL)
-    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    quiet = [logging.getLogger("hivemind"), logging.getLogger("asyncio")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.CRITICAL)
     try:
         return args.handler(args)
     except CLIError as e:
@@ -735,6 +737,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     except BrokenPipeError:  # e.g. piped into head
         return 0
+    finally:
+        for logger, level in zip(quiet, levels):  # main() may run inside another program (tests)
+            logger.setLevel(level)
 
 
 def entry_point() -> None:
