@@ -122,6 +122,8 @@ class SwarmNode:
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+        if self.policy is not None and self.policy.allowed is not None:
+            security.remove_guard()  # this process may later join another swarm, or none
 
 
 async def _visible_maddrs(dht: DHT, node: Any) -> list:

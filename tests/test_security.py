@@ -156,3 +156,22 @@ def test_record_validator_and_tokens():
     assert policy.token("run", "A", "B") != other.token("run", "A", "B")
     assert policy.key.hex() not in repr(policy) and repr(policy.key) not in repr(policy)
     assert protocol.decode_metadata(protocol.encode_metadata(policy.sign_metadata({}, "run", "A", "B")))[AUTH_FIELD]
+
+
+def test_the_guard_is_lifted_when_its_node_shuts_down(tmp_path):
+    """In one process: while a node with an allow-list runs, nodes started here refuse outsiders; once it shut
+    down, a new node accepts anyone again (a later swarm in the same process is not guarded by an old list)."""
+    key = str(tmp_path / "member.key")
+    member = SwarmNode(identity_path=key, policy=AccessPolicy.create([create_identity(key)])).start()
+    try:
+        with pytest.raises(RuntimeError, match="bootstrap failed"):
+            SwarmNode(member.visible_maddrs()).start()
+    finally:
+        member.shutdown()
+    first = SwarmNode().start()
+    try:
+        second = SwarmNode(first.visible_maddrs()).start()
+        assert second.dht_store("open", "x", 1, ttl=30) and first.dht_get("open") == {"x": 1}
+        second.shutdown()
+    finally:
+        first.shutdown()
