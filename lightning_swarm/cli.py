@@ -83,17 +83,19 @@ def open_node(
 
     if not initial_peers:
         raise CLIError("no initial peers: pass --initial-peers ADDRESS (or set SWARM_INITIAL_PEERS)", EXIT_USAGE)
-    policy = None
+    policy, secret = None, os.environ.get("SWARM_SECRET") or None
     if secret_path:
-        from lightning_swarm.security import AccessPolicy
-
         try:
             with open(secret_path, "rb") as f:
-                policy = AccessPolicy.create(None, f.read().strip())
+                secret = f.read().strip()
         except OSError as e:
             raise CLIError(f"cannot read the secret: {e}", EXIT_USAGE) from None
-        if policy is None:
+        if not secret:
             raise CLIError(f"the secret file {secret_path} is empty", EXIT_USAGE)
+    if secret:
+        from lightning_swarm.security import AccessPolicy
+
+        policy = AccessPolicy.create(None, secret)
     node = SwarmNode(list(initial_peers), identity_path=identity_path, timeout=timeout, policy=policy)
     try:
         node.start(attempts=1)
@@ -105,12 +107,10 @@ def open_node(
         reason = str(e).split(": ", 1)[-1]
         reason = re.sub(r"^(Daemon failed to start: )?\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", reason)
         raise CLIError(f"cannot reach the swarm through {', '.join(initial_peers)}: {reason}") from None
-    except (Exception, KeyboardInterrupt) as e:
+    except Exception as e:
         node.shutdown()
-        if isinstance(e, KeyboardInterrupt):
-            raise
         raise CLIError(f"cannot join the swarm through {', '.join(initial_peers)}: {e!r}") from None
-    except BaseException:
+    except BaseException:  # Ctrl-C while joining
         node.shutdown()
         raise
     return node
@@ -262,10 +262,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             try:
                 status = read_status(node, args.run_id, args.num_stages)
             except TimeoutError:
-                hint = "" if args.secret_path else " (if it is a private swarm, pass --secret-path)"
+                private = args.secret_path or os.environ.get("SWARM_SECRET")
+                hint = "" if private else " (if it is a private swarm, pass --secret-path)"
                 raise CLIError(f"the swarm did not answer within {args.timeout:g}s{hint}") from None
             except Exception as e:  # e.g. records that do not decode: a private swarm read without its secret
-                hint = "" if args.secret_path else " (a private swarm? pass --secret-path)"
+                private = args.secret_path or os.environ.get("SWARM_SECRET")
+                hint = "" if private else " (a private swarm? pass --secret-path)"
                 raise CLIError(f"cannot read the swarm's records: {e!r}{hint}") from None
             if args.json:
                 text = json.dumps(status_dict(status), indent=2)
@@ -668,7 +670,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--secret-path",
         default=os.environ.get("SWARM_SECRET_PATH") or None,
-        help="a private swarm's shared secret file; default: $SWARM_SECRET_PATH",
+        help="a private swarm's shared secret file; default: $SWARM_SECRET_PATH (or the secret in $SWARM_SECRET)",
     )
     status.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the swarm (default 15)")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
