@@ -8,7 +8,7 @@ peers. The same schedule runs twice: with rebalancing, and without (peers stay w
 newcomer joins the bottleneck stage). Also reported: the trainer's own throughput in each run.
 
     python benchmarks/churn.py            # writes the "churn" section of benchmarks/RESULTS.md
-    python benchmarks/churn.py --smoke    # a short check that the script works
+    python benchmarks/churn.py --smoke --out /tmp/r.md   # a short check that the script works
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from report import machine, save_data, table, update_section  # noqa: E402
+from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
 
 from lightning_swarm import discovery  # noqa: E402
 from lightning_swarm.discovery import PeerState  # noqa: E402
@@ -120,10 +120,13 @@ def run(rebalance_period: float, plan: list, initial: list[float], duration: flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="a short run of each variant; writes nothing")
+    parser.add_argument("--smoke", action="store_true", help="a short run of each variant, to check the script")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results file; the JSON goes to results/ beside it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rebalance-period", type=float, default=15.0)
     args = parser.parse_args()
+    if args.smoke and args.out == RESULTS:
+        parser.error("--smoke needs --out: smoke figures never replace benchmarks/RESULTS.md")
     if args.smoke:
         initial, events, every, duration = [2.0, 2.0, 4.0, 2.0], 1, 20.0, 45.0
     else:
@@ -138,8 +141,6 @@ def main() -> None:
             print(f"  mean fraction of the best allocation: {sum(qualities) / max(len(qualities), 1):.3f}")
     for label, result in results.items():
         assert result["samples"], f"{label}: no sample of the swarm was taken"
-    if args.smoke:
-        return
 
     rows = []
     for label, result in results.items():
@@ -156,13 +157,14 @@ def main() -> None:
         )
     events = ", ".join(f"{t:.0f}s {a} (x{th:g})" if a == "join" else f"{t:.0f}s {a}" for t, a, th in plan)
     lines = [
-        "## Churn: rebalancing under peers joining and leaving (`benchmarks/churn.py`)",
+        f"## Churn: peers joining and leaving (`benchmarks/churn.py{' --smoke' if args.smoke else ''}`)",
         "",
         f"{machine()}. 3 stages, serve-only peers slowed by throttles {list(THROTTLES)} (initially {initial}), one",
         f"drive-only trainer with 4 microbatches in flight, {duration:.0f} s per run, rebalancing every "
         f"{args.rebalance_period:g} s. Seeded schedule (seed {args.seed}): {events}.",
-        "Quality = the swarm's throughput (lowest stage's summed peer throughput, from the peers' records) over the",
-        "best allocation of the same peers, sampled every 2 s. Both runs follow the same schedule, one after the other.",
+        "Quality = the swarm's throughput (lowest stage's summed peer throughput, from the peers' records) over",
+        "the best allocation of the same peers, sampled every 2 s. Both runs follow the same schedule, one after",
+        "the other.",
         "",
         *table(
             ["run", "mean quality", f"mean after {every:.0f} s", "lowest", "trainer samples/s"],
@@ -172,8 +174,8 @@ def main() -> None:
         "The SWARM paper reports about 96% of optimal with rebalancing and about 83% without (its Figure 5 setup:",
         "many more peers and longer runs).",
     ]
-    update_section("churn", lines)
-    save_data("churn", {"schedule": plan, "initial": initial, "results": results})
+    update_section("churn", lines, args.out)
+    save_data("churn", {"schedule": plan, "initial": initial, "results": results}, args.out.parent / "results")
 
 
 if __name__ == "__main__":

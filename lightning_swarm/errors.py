@@ -13,6 +13,11 @@ class StageUnavailableError(RuntimeError):
     """No live peer of a stage answered within the allowed retries."""
 
 
+class NotServingError(RuntimeError):
+    """The peer does not serve the requested stage of the run (it moved to another stage, or is leaving): the
+    caller sends the work to another peer of the stage."""
+
+
 class ActivationsLostError(RuntimeError):
     """The stage server no longer holds the activations of a forward pass (evicted, expired or never kept): the
     caller sends the stage's input again so that the forward is recomputed."""

@@ -8,7 +8,8 @@ The swarm trains as fast as its slowest stage, whose capacity is the summed thro
    the bottleneck, then the next), until none raises them. A stage with no peer has capacity 0, so it is refilled
    first. Swaps matter between unequal peers: a fast peer and a slow one trading places.
 2. The plan is carried out only if its predicted swarm throughput (the lowest stage capacity after all its
-   moves) beats the current one by ``margin`` (10% by default): small, noisy differences never move anyone.
+   moves) beats the current one by ``margin`` (10% by default): small, noisy differences never move anyone. A
+   larger margin would leave swarms further from their best allocation (at worst 1 / (1 + margin) of it).
 3. In one round at most one peer leaves each stage: the first planned peer whose stage at the end of the plan
    differs from its stage now. Moves out of the same stage wait for later rounds, planned again from fresh records.
 

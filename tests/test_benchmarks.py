@@ -88,3 +88,13 @@ def test_baselines_smoke(tmp_path):
     ratios = [float(r) for r in re.findall(r"\| ([0-9.]+) \(", row.group(2))]
     assert float(row.group(1)) > 0 and all(0 < r < 10 for r in ratios), text
     assert (tmp_path / "results" / "baselines.json").exists()
+
+
+def test_churn_smoke(tmp_path):
+    text = smoke(tmp_path, "churn", timeout=600)
+    figures = r" \| ([0-9.]+)" * 4
+    rows = re.findall(r"^\| (?:with|without) rebalancing" + figures + r" \|$", text, re.MULTILINE)
+    assert len(rows) == 2, text
+    for mean, _, lowest, trainer in rows:
+        assert 0 < float(mean) <= 1.0 and 0 <= float(lowest) <= float(mean) and float(trainer) > 0, text
+    assert (tmp_path / "results" / "churn.json").exists()

@@ -21,7 +21,7 @@ from raw_client import RawClient, bytes_of, wait_until_serving, wire
 
 from lightning_swarm import protocol
 from lightning_swarm.client.routing import _remote_error
-from lightning_swarm.errors import SwarmRequestError
+from lightning_swarm.errors import NotServingError, SwarmRequestError
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.server.stage_server import stage_uid
 
@@ -80,11 +80,13 @@ def test_bad_requests_are_refused_and_leave_the_stage_untouched(swarm):
         client.raw_stream("forward_stream", b"\xff\xff\xff\xff garbage")
         client.raw_stream("backward_stream", bytes(range(256)))
 
-        # unknown stage, on every handler that takes a uid
+        # another stage of the run (the caller's view is stale: it fails over), then an unknown run
         other = stage_uid(swarm.run_id, 7)
-        refused(lambda: client.call("forward", [wire(x)], uid=other), "unknown stage", other)
-        refused(lambda: client.call("backward", [wire(x), wire(x)], uid=other), "unknown stage", other)
-        refused(lambda: client.info(uid=other), "unknown stage", other)
+        stale = "NotServingError"
+        refused(lambda: client.call("forward", [wire(x)], uid=other), "no longer serves", other, remote=stale)
+        refused(lambda: client.call("backward", [wire(x), wire(x)], uid=other), other, remote=stale)
+        refused(lambda: client.info(uid=other), "no longer serves", other, remote=stale)
+        assert isinstance(_remote_error(P2PHandlerError("NotServingError('x')")), NotServingError)
         refused(lambda: client.call("forward", [wire(x)], uid="no-such-run.stage0"), "unknown stage")
 
         # metadata

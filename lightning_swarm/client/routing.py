@@ -31,7 +31,13 @@ from hivemind.utils.asyncio import aiter_with_timeout
 
 from lightning_swarm import compression, discovery, events, protocol
 from lightning_swarm.discovery import PeerRecord, PeerState
-from lightning_swarm.errors import ActivationsLostError, StageBusyError, StageUnavailableError, SwarmRequestError
+from lightning_swarm.errors import (
+    ActivationsLostError,
+    NotServingError,
+    StageBusyError,
+    StageUnavailableError,
+    SwarmRequestError,
+)
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.server.stage_server import StageServer, stage_uid
 
@@ -331,7 +337,7 @@ class StageRouter:
 def _remote_error(error: P2PHandlerError) -> Exception:
     """Turn a remote handler's error back into the kind the server raised."""
     message = str(error)
-    for kind in (SwarmRequestError, StageBusyError, ActivationsLostError):
+    for kind in (SwarmRequestError, StageBusyError, ActivationsLostError, NotServingError):
         if kind.__name__ in message:
             return kind(message)
     return error

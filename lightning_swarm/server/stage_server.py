@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_swarm import compression, protocol, security
-from lightning_swarm.errors import ActivationsLostError, StageBusyError, SwarmRequestError
+from lightning_swarm.errors import ActivationsLostError, NotServingError, StageBusyError, SwarmRequestError
 from lightning_swarm.security import AccessPolicy, PeerNotAllowedError
 from lightning_swarm.server.kept_activations import Kept, KeptActivations, counting_saved_bytes
 
@@ -129,7 +129,7 @@ class StageServer(ServicerBase):
             request = await protocol.gather_request(requests, self.max_request_bytes)
             self._check_caller(context, request.metadata)
             response = await self.answer(kind, request, context.remote_id)
-        except (SwarmRequestError, StageBusyError, ActivationsLostError, PeerNotAllowedError) as e:
+        except (SwarmRequestError, StageBusyError, ActivationsLostError, NotServingError, PeerNotAllowedError) as e:
             raise type(e)(repr(e)) from None  # hivemind sends str(e) on streams: keep the class name for callers
         for part in protocol.stream_response(response):
             yield part
@@ -186,8 +186,8 @@ class StageServer(ServicerBase):
             train = bool(metadata.get("train", True))
             future = self._submit(kind, tensors, train, batch, None if key is None else (str(caller), key))
             output = await asyncio.wrap_future(future)
-        except ActivationsLostError:
-            raise
+        except (ActivationsLostError, NotServingError):
+            raise  # expected when the caller's view is stale: no log line
         except Exception as e:
             log.warning("Stage %d refused a %s request from %s: %r", self.stage, kind, caller, e)
             raise
@@ -209,8 +209,11 @@ class StageServer(ServicerBase):
         self.policy.check_request(self.run_id, context, metadata if isinstance(metadata, dict) else {})
 
     def _check_uid(self, uid: str) -> None:
-        if uid != self.uid:
-            raise SwarmRequestError(f"unknown stage {uid!r}: this peer serves {self.uid!r}")
+        if uid == self.uid:
+            return
+        if uid.startswith(stage_uid(self.run_id, 0)[:-1]):  # another stage of this run: the caller's view is stale
+            raise NotServingError(f"this peer no longer serves {uid!r}: it serves {self.uid!r}")
+        raise SwarmRequestError(f"unknown stage {uid!r}: this peer serves {self.uid!r}")
 
     def _decode(self, message: runtime_pb2.Tensor) -> torch.Tensor:
         numel = math.prod(message.size)
