@@ -54,18 +54,28 @@ class SwarmNode:
                 if attempt == attempts or not self.initial_peers:
                     raise
                 log.warning("Could not join the swarm (attempt %d of %d): %s", attempt, attempts, e)
+            except RuntimeError as e:
+                if "bootstrap failed" not in str(e):
+                    raise
+                raise RuntimeError(
+                    "DHT bootstrap failed: none of the initial peers answered. If it is a private swarm, this peer is "
+                    "off its allow-list or lacks its secret (set allowed_peers/identity_path or secret_path; for "
+                    "the lightning-swarm command, pass --secret-path)"
+                ) from None
         self.p2p = self.run(self.dht.replicate_p2p())
         return self
 
     def _create_dht(self) -> DHT:
         loopback_only = all(m.startswith("/ip4/127.") for m in self.host_maddrs)
-        validators = []
+        validators, authorizer = [], None
         if self.policy is not None:
             security.install_guard(self.policy)  # before the DHT process forks: it inherits the guard
             if self.policy.key is not None:
                 validators.append(security.SecretRecordValidator(self.policy.key))
+                authorizer = security.SecretAuthorizer(self.policy.key)
         return DHT(
             record_validators=validators,
+            authorizer=authorizer,
             initial_peers=self.initial_peers or None,
             start=True,
             host_maddrs=self.host_maddrs,

@@ -12,13 +12,15 @@ averagers, which are forked from the process after :func:`install_guard`) refuse
 the list, before the handler runs. A peer off the list cannot bootstrap into the swarm's DHT, read or write its
 records, send work to a stage, or take part in an all-reduce; its refused calls are logged by the refusing peer.
 
-**Secret** (``secret`` / ``secret_path``): every DHT record a peer stores carries an HMAC of the record (key,
-subkey, value, expiration) under the secret (:class:`SecretRecordValidator`); records without a valid one are
-refused by every peer's DHT. Every request to a stage server carries an HMAC of (run, caller id, receiver id),
-so only peers that know the secret can send work or download a stage; the libp2p channel is encrypted and
-authenticated, so a token seen by its receiver cannot be used under another peer's id. Limits of a secret
-alone: a peer without it can still reach the DHT (it sees records, but cannot write any the swarm accepts) and
-call hivemind's averager RPCs directly. Use an allow-list where that matters.
+**Secret** (``secret`` / ``secret_path``): every DHT request and response carries an HMAC of the message, a
+nonce and the time under the secret (:class:`SecretAuthorizer`, hivemind's DHT ``authorizer`` hook), so a node
+without the secret can neither join the swarm's DHT nor read or write its records; every DHT record also carries
+an HMAC of its key, subkey, value and expiration (:class:`SecretRecordValidator`), so records are checked
+wherever they travel. Every request to a stage server carries an HMAC of (run, caller id, receiver id), so only
+peers that know the secret can send work or download a stage; the libp2p channel is encrypted and authenticated,
+so a token seen by its receiver cannot be used under another peer's id. Limits of a secret alone: a peer without
+it that knows a member's peer id (e.g. from its address) can still ask that member's stage server for its load
+(``rpc_info``) and call hivemind's averager RPCs on it directly. Use an allow-list where that matters.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ import hashlib
 import hmac
 import logging
 import os
+import secrets
 import struct
 import time
 from typing import Any, Iterable, Optional, Union
 
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.auth import AuthorizerBase
 
 log = logging.getLogger(__name__)
 
@@ -228,3 +233,64 @@ class SecretRecordValidator(RecordValidatorBase):
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return False
+
+
+# ---- the secret on DHT requests and responses ----------------------------------------------------------------------
+
+
+class SecretAuthorizer(AuthorizerBase):
+    """Every DHT request and response carries an HMAC (under the swarm's secret) of the whole message, a fresh
+    nonce and the time: a DHT node without the secret can neither read the swarm's records nor answer its peers
+    (its replies are dropped), so it never enters their routing tables. A request is accepted once (its nonce is
+    remembered) and within ``max_clock_skew`` seconds of its time."""
+
+    def __init__(self, key: bytes, max_clock_skew: float = 60.0) -> None:
+        self._key, self.max_clock_skew = key, max_clock_skew
+        self._recent_nonces: dict[bytes, float] = {}
+        self._pruned_at = 0.0
+
+    def _mac(self, kind: bytes, message: Any) -> bytes:
+        return hmac.new(self._key, kind + message.SerializeToString(), hashlib.sha256).digest()
+
+    async def sign_request(self, request: Any, service_public_key: Any) -> None:
+        auth = request.auth
+        auth.time = get_dht_time()
+        auth.nonce = secrets.token_bytes(16)
+        auth.signature = b""
+        auth.signature = self._mac(b"request", request)
+
+    async def validate_request(self, request: Any) -> bool:
+        auth = request.auth
+        signature, auth.signature = auth.signature, b""
+        now = get_dht_time()
+        if not hmac.compare_digest(signature, self._mac(b"request", request)):
+            _log_refusal("a DHT request without the swarm's secret")
+            return False
+        if abs(auth.time - now) > self.max_clock_skew or auth.nonce in self._recent_nonces:
+            _log_refusal("a DHT request replayed, or from a clock more than max_clock_skew apart")
+            return False
+        if now - self._pruned_at > 10.0:
+            self._recent_nonces = {n: t for n, t in self._recent_nonces.items() if t > now}
+            self._pruned_at = now
+        self._recent_nonces[auth.nonce] = now + 3 * self.max_clock_skew
+        return True
+
+    async def sign_response(self, response: Any, request: Any) -> None:
+        response.auth.nonce = request.auth.nonce
+        response.auth.signature = b""
+        response.auth.signature = self._mac(b"response", response)
+
+    async def validate_response(self, response: Any, request: Any) -> bool:
+        auth = response.auth
+        signature, auth.signature = auth.signature, b""
+        valid = auth.nonce == request.auth.nonce and hmac.compare_digest(signature, self._mac(b"response", response))
+        if not valid:
+            _log_refusal("a DHT response without the swarm's secret")
+        return valid
+
+
+def _log_refusal(what: str) -> None:
+    now = time.monotonic()
+    if now - _last_refusal.get(what, -_REFUSAL_LOG_PERIOD) >= _REFUSAL_LOG_PERIOD:
+        _last_refusal[what] = now
+        log.warning("Refused %s", what)

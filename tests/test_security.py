@@ -1,5 +1,5 @@
 """Private swarms (docs/private_swarm.md): a peer off the allow-list, or without the swarm's secret, can neither
-serve a stage, nor send work to one, nor write records that the swarm's peers accept. Real peer processes on
+serve a stage, nor send work to one, nor write (or read) records that the swarm's peers accept. Real peer processes on
 loopback; the outsiders are a peer process and a node in this process."""
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ async def store_directly(dht: DHT, node, target: str, key: str, subkey: str, val
     return None if stored is None else list(stored)
 
 
+async def find_directly(dht: DHT, node, target: str, key: str) -> object:
+    """Ask the peer ``target`` itself (DHT RPC rpc_find) for a key; None if it refused the call."""
+    found = await node.protocol.call_find(PeerID.from_base58(target), [DHTID.generate(key)])
+    return None if found is None else "answered"
+
+
 @pytest.mark.parametrize("mode", ["allow_list", "secret"])
 def test_outsiders_can_neither_serve_nor_send_work_nor_write_records(swarm, tmp_path, mode):
     env = {**FAST, "SWARM_NUM_STAGES": "1", "SWARM_COMPRESSION": "none", "SWARM_TARGET_BATCH_SIZE": "8"}
@@ -79,10 +85,7 @@ def test_outsiders_can_neither_serve_nor_send_work_nor_write_records(swarm, tmp_
 
     # 1. an outsider peer process tries to serve stage 0
     outsider_args = (SMALL_GPT, {**env, **outsider_env, **serve, "SWARM_IDENTITY_PATH": keys["outsider"]})
-    if mode == "allow_list":  # it cannot even join the DHT: every peer refuses its calls
-        with pytest.raises(RuntimeError, match="bootstrap failed"):
-            swarm.start("outsider", *outsider_args)
-    else:  # it joins the DHT (readable without the secret) and serves, but its records are refused
+    with pytest.raises(RuntimeError, match="bootstrap failed"):  # it cannot even join: its DHT calls are refused
         swarm.start("outsider", *outsider_args)
 
     reader = SwarmNode([server_address], identity_path=keys["reader"], policy=reader_policy).start()
@@ -111,6 +114,9 @@ def test_outsiders_can_neither_serve_nor_send_work_nor_write_records(swarm, tmp_
         attack = partial(store_directly, target=ids["server"], key=key, subkey=str(outsider.peer_id) + "x", value=fake)
         direct = outsider.dht.run_coroutine(attack, return_future=True)
         assert not any(direct.result(timeout=30) or [])
+        # and it cannot read the swarm's records either, even asking the server itself
+        look = partial(find_directly, target=ids["server"], key=key)
+        assert outsider.dht.run_coroutine(look, return_future=True).result(timeout=30) is None
 
         # a member trains meanwhile: if any record of an outsider were accepted, its router would use it
         record = tmp_path / "trainer.json"
@@ -136,6 +142,8 @@ def test_outsiders_can_neither_serve_nor_send_work_nor_write_records(swarm, tmp_
     assert outsider_id in refusals
     if mode == "allow_list":
         assert ids["outsider"] in refusals  # the outsider process's DHT pings
+    else:
+        assert "Refused a DHT request without the swarm's secret" in server.log()
     assert peer_id_of(keys["server"]) == ids["server"] == server_address.rsplit("/", 1)[-1]
 
 
