@@ -258,39 +258,45 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise CLIError(f"--run-id {args.run_id!r}: use only letters, digits, '_' and '-'", EXIT_USAGE)
     node = open_node(initial_peers, args.timeout, args.identity_path, args.secret_path)
     try:
+        shown = False
         while True:
             try:
-                status = read_status(node, args.run_id, args.num_stages)
-            except TimeoutError:
-                private = args.secret_path or os.environ.get("SWARM_SECRET")
-                hint = "" if private else " (if it is a private swarm, pass --secret-path)"
-                raise CLIError(f"the swarm did not answer within {args.timeout:g}s{hint}") from None
-            except Exception as e:  # e.g. records that do not decode: a private swarm read without its secret
-                private = args.secret_path or os.environ.get("SWARM_SECRET")
-                hint = "" if private else " (a private swarm? pass --secret-path)"
-                raise CLIError(f"cannot read the swarm's records: {e!r}{hint}") from None
-            if args.json:
-                text = json.dumps(status_dict(status), indent=2)
+                status = _read_or_explain(node, args)
+            except CLIError as e:
+                if not (args.watch and shown):
+                    raise
+                print(f"lightning-swarm: {e} (trying again in {args.watch:g}s)", file=sys.stderr, flush=True)
             else:
-                text = format_status(status, args.full_ids)
-            if args.watch and sys.stdout.isatty():
-                sys.stdout.write("\033[H\033[2J")  # clear the terminal, as watch(1) does
-            print(text, flush=True)
-            if not args.watch:
-                if not status.peer_ids:
-                    print(
-                        f"lightning-swarm: no peer of run {args.run_id!r} found (is the run id right?)",
-                        file=sys.stderr,
-                    )
-                    return EXIT_NOT_FOUND
-                return 0
+                text = json.dumps(status_dict(status), indent=2) if args.json else format_status(status, args.full_ids)
+                if args.watch and sys.stdout.isatty():
+                    sys.stdout.write("\033[H\033[2J")  # clear the terminal, as watch(1) does
+                print(text, flush=True)
+                shown = True
+                if not args.watch:
+                    if not status.peer_ids:
+                        message = f"no peer of run {args.run_id!r} found (is the run id right?)"
+                        print(f"lightning-swarm: {message}", file=sys.stderr)
+                        return EXIT_NOT_FOUND
+                    return 0
             time.sleep(args.watch)
             if not sys.stdout.isatty():
                 print(flush=True)
     except KeyboardInterrupt:
-        return 0  # Ctrl-C is how --watch ends
+        return 0 if args.watch else 130  # Ctrl-C is how --watch ends
     finally:
         node.shutdown()
+
+
+def _read_or_explain(node: Any, args: argparse.Namespace) -> SwarmStatus:
+    private = args.secret_path or os.environ.get("SWARM_SECRET")
+    try:
+        return read_status(node, args.run_id, args.num_stages)
+    except TimeoutError:
+        hint = "" if private else " (if it is a private swarm, pass --secret-path)"
+        raise CLIError(f"the swarm did not answer within {args.timeout:g}s{hint}") from None
+    except Exception as e:  # e.g. records that do not decode: a private swarm read without its secret
+        hint = "" if private else " (a private swarm? pass --secret-path)"
+        raise CLIError(f"cannot read the swarm's records: {e!r}{hint}") from None
 
 
 # ---- plot ---------------------------------------------------------------------------------------------------------
