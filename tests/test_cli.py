@@ -202,8 +202,10 @@ def wait_for_log(peer, text: str, timeout: float = 120) -> None:
 
 
 def test_status_of_a_live_swarm(swarm, capsys):
-    env = {"SWARM_NUM_STAGES": "2", "SWARM_ROLE": "serve", "SWARM_UPDATE_PERIOD": "1.0"}
-    peers = [swarm.start(f"stage{k}", SMALL_GPT, env={**env, "SWARM_STAGE": str(k)}) for k in range(2)]
+    env = {"SWARM_NUM_STAGES": "2", "SWARM_UPDATE_PERIOD": "1.0", "SWARM_MATCHMAKING_TIME": "1.0"}
+    env.update(SWARM_AVERAGING_TIMEOUT="4.0", SWARM_LINGER="5.0", SWARM_REBALANCE_PERIOD="0")
+    serve = {**env, "SWARM_ROLE": "serve"}
+    peers = [swarm.start(f"stage{k}", SMALL_GPT, env={**serve, "SWARM_STAGE": str(k)}) for k in range(2)]
     for k, peer in enumerate(peers):
         wait_for_log(peer, f"Serving stage {k} of 2")
     ids = [peer.addresses()[0].rsplit("/", 1)[-1] for peer in peers]
@@ -230,6 +232,15 @@ def test_status_of_a_live_swarm(swarm, capsys):
 
     assert cli.main(["status", "--initial-peers", address, "--run-id", "nobody_here"]) == cli.EXIT_NOT_FOUND
     assert "no peer of run 'nobody_here' found" in capsys.readouterr().err
+
+    # a drive-only trainer takes a few steps: each stage's step is read from hivemind's signed progress records
+    steps = 4
+    swarm.start("trainer", [*SMALL_GPT, "--max-steps", str(steps)], env={**env, "SWARM_ROLE": "drive"})
+    assert swarm.wait("trainer", timeout=240) == 0, swarm.peers["trainer"].log()[-3000:]
+    assert cli.main(["status", "--initial-peers", address, "--run-id", swarm.run_id, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    print("stage steps after the trainer's", steps, "steps:", [s["step"] for s in status["stages"]])
+    assert all(isinstance(s["step"], int) and 1 <= s["step"] <= steps for s in status["stages"]), status
 
     # --watch refreshes until Ctrl-C (SIGINT to the whole process group, as a terminal sends it), then exits 0
     watch = subprocess.Popen(
