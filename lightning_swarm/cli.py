@@ -207,8 +207,9 @@ def format_status(status: SwarmStatus, full_ids: bool = False) -> str:
     def number(value: Optional[float], fmt: str = "{:.1f}") -> str:
         return "-" if value is None else fmt.format(value)
 
-    peers = sum(len(s.peers) for s in status.stages)
-    serving = sum(_serving(r) for s in status.stages for r in s.peers.values())
+    # a peer moving between stages is briefly listed at both (joining the new one): count it once
+    peers = len({r.peer_id for s in status.stages for r in s.peers.values() if r.state != PeerState.LEAVING})
+    serving = len({r.peer_id for s in status.stages for r in s.peers.values() if _serving(r)})
     training = sum(r.training for s in status.stages for r in s.peers.values()) + sum(
         r.training for r in status.drivers.values()
     )

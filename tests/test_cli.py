@@ -326,6 +326,10 @@ def test_status_read_and_formatted_without_a_network():
     as_json = cli.status_dict(status)
     assert as_json["stages"][0]["peers"][0]["state"] == "serving" and as_json["drivers"][0]["training"] is True
 
+    moving = {"m_stage0": {"p": record("p", 0)}, "m_stage1": {"p": record("p", 1, PeerState.JOINING)}}
+    moving_text = cli.format_status(cli.read_status(FakeNode(moving), "m", num_stages=2))
+    assert "2 stages, 1 stage peer (1 serving)" in moving_text  # a peer moving between stages counts once
+
     del records["r_meta"]  # the layout record expired: count the stages from the live ones
     status = cli.read_status(FakeNode(records), "r")
     assert (status.num_stages, status.num_stages_source) == (2, "probed")
