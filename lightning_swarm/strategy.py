@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import logging
 import os
 import random
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 Role = Literal["both", "serve", "drive"]
+STAGE_OPTIMIZERS_KEY = "swarm_stage_optimizers"  # checkpoint entry: stage -> its optimizer's state dict
 ENV_PREFIX = "SWARM_"
 
 
@@ -393,6 +395,7 @@ class SwarmStrategy(Strategy):
         """
         state = checkpoint["state_dict"]
         module = self.lightning_module
+        self._checkpoint_stage_optimizers = checkpoint.get(STAGE_OPTIMIZERS_KEY)  # loaded once the stage's is built
         if self._pipeline_name is None:
             tensors = [*module.parameters(), *module.buffers()]
             module.load_state_dict(state, strict=strict, assign=any(t.is_meta for t in tensors))
@@ -411,8 +414,38 @@ class SwarmStrategy(Strategy):
         :meth:`claim_checkpoint`): every peer's ``ModelCheckpoint`` saves the complete model, one of them is enough."""
         if self.node is not None and not self.claim_checkpoint(str(filepath)):
             return
+        if "optimizer_states" in checkpoint and self.router is not None and self._pipeline_name is not None:
+            checkpoint[STAGE_OPTIMIZERS_KEY] = self._gather_stage_optimizers()
         super().save_checkpoint(checkpoint, filepath, storage_options)
         self.__dict__.setdefault("_written_checkpoints", set()).add(os.path.abspath(str(filepath)))
+
+    def _gather_stage_optimizers(self) -> dict[int, dict]:
+        """The optimizer state dict of every stage, from this peer or a live peer of the stage (stages whose state
+        cannot be had are left out, with a warning: their optimizers restart on resume)."""
+        states = {}
+        for span in self._spans:
+            try:
+                if self.server is not None and self.served_stage == span.index and self._stage_optimizer is not None:
+                    with self.server.lock:
+                        state = _copy_state(self._stage_optimizer.state_dict())
+                else:
+                    raw = self.router.fetch_state(span.index, optimizer=True)["optimizer"]
+                    state = torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=True)
+            except Exception as e:
+                log.warning("Checkpoint without the optimizer state of stage %d: %r", span.index, e)
+                continue
+            state["state"].pop("local_epoch", None)  # the swarm's epoch counter, not the optimizer's
+            states[span.index] = state
+        return states
+
+    def _load_stage_optimizer(self) -> None:
+        """Seed the served stage's optimizer from the checkpoint given to ``fit(ckpt_path=...)``, if it has it."""
+        saved = (getattr(self, "_checkpoint_stage_optimizers", None) or {}).get(self.served_stage)
+        if saved is None or self._stage_optimizer is None:
+            return
+        state = {**saved, "state": {k: v for k, v in saved["state"].items() if k != "local_epoch"}}
+        self._stage_optimizer.load_state_dict(state)
+        log.warning("Stage %d: optimizer state loaded from the checkpoint", self.served_stage)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Remove only checkpoints this peer wrote: another peer's ``ModelCheckpoint`` must not delete them."""
@@ -494,6 +527,7 @@ class SwarmStrategy(Strategy):
         if self._stage_module is not None:
             if fitting:
                 self._stage_optimizer = self._build_stage_optimizer(trainer)
+                self._load_stage_optimizer()
             self._start_server()
 
         self.router = StageRouter(
@@ -588,6 +622,7 @@ class SwarmStrategy(Strategy):
             checkpoint_activations=self.checkpoint_activations,
             throttle=self.throttle,
             policy=self.node.policy,
+            optimizer_state=optimizer.state_dict if optimizer is not None else None,
         )
         self._announcer = self._make_announcer()
         self._announcer.announce(self._record(PeerState.JOINING))
@@ -830,6 +865,14 @@ class SwarmStrategy(Strategy):
 
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
+
+
+def _copy_state(state: dict) -> dict:
+    """A deep copy of an optimizer state dict (its tensors keep changing in the stage worker)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
 
 
 def _as_list(value: Union[str, list[str]]) -> list[str]:

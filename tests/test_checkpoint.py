@@ -1,16 +1,22 @@
 """Complete checkpoints: a checkpoint saved on a peer of a 3-stage swarm holds every stage, loads into the plain
-model (which then computes what the swarm computes), and ``fit(ckpt_path=...)`` resumes a swarm from it."""
+model (which then computes what the swarm computes), and ``fit(ckpt_path=...)`` resumes a swarm from it: stages'
+parameters and optimizer states."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import torch
 from conftest import SMALL_GPT
+from hivemind.proto import runtime_pb2
+from hivemind.utils.asyncio import aiter_with_timeout
 from raw_client import RawClient, wait_until_serving, wire
 from test_swarm import FAST
 
+from lightning_swarm import compression, protocol
 from lightning_swarm.node import SwarmNode
+from lightning_swarm.strategy import STAGE_OPTIMIZERS_KEY
 
 GPT_ARGS = [*SMALL_GPT[:2], *SMALL_GPT[4:], "--n-layer", "3", "--lr", "1e-2"]  # three blocks: one per stage
 EVAL_META = {"codec": "none", "train": False}
@@ -19,6 +25,24 @@ EVAL_META = {"codec": "none", "train": False}
 def losses(path) -> list[float]:
     with open(path) as f:
         return json.load(f)["losses"]
+
+
+def optimizer_state(client: RawClient) -> dict:
+    """A stage optimizer's state dict, as rpc_state sends it with {"optimizer": True}."""
+    request = runtime_pb2.ExpertRequest(uid=client.uid, metadata=protocol.encode_metadata({"optimizer": True}))
+
+    async def go():
+        parts = []
+        async for response in aiter_with_timeout(await client.stub.rpc_state(request), 20):
+            parts.extend(response.tensors)
+        return protocol.combine(parts)
+
+    raw = compression.deserialize(client.node.run(go(), 25)[0])
+    return torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=True)
+
+
+def moments(state: dict) -> dict:
+    return {(i, k): v for i, s in state["state"].items() if isinstance(s, dict) for k, v in s.items() if k != "step"}
 
 
 def start_stages(swarm, env: dict, prefix: str, resume=None) -> list:
@@ -66,7 +90,9 @@ def test_checkpoint_loads_into_the_plain_model_and_resumes_the_swarm(swarm, tmp_
     for name in ("stage0", "stage1", "stage2"):
         swarm.stop(name)
     resumed_stages = start_stages(swarm, env, "resumed", resume=ckpt)
-    saved = torch.load(ckpt, weights_only=False)["state_dict"]
+    checkpoint = torch.load(ckpt, weights_only=False)
+    saved, saved_optimizers = checkpoint["state_dict"], checkpoint[STAGE_OPTIMIZERS_KEY]
+    assert sorted(saved_optimizers) == [0, 1, 2]
     node = SwarmNode(initial_peers=resumed_stages[0].addresses()).start()
     try:
         for k, peer in enumerate(resumed_stages):  # one block per stage: stage k holds blocks.k as "0.*"
@@ -74,6 +100,9 @@ def test_checkpoint_loads_into_the_plain_model_and_resumes_the_swarm(swarm, tmp_
             wait_until_serving(client, peer)
             state = client.state()
             assert state and all(torch.equal(v, saved[f"blocks.{k}." + n.split(".", 1)[1]]) for n, v in state.items())
+            expected, loaded = moments(saved_optimizers[k]), moments(optimizer_state(client))  # Adam's moments
+            assert expected and any(v.abs().sum() > 0 for v in expected.values()), "the stage never stepped"
+            assert expected.keys() == loaded.keys() and all(torch.equal(expected[i], loaded[i]) for i in expected)
     finally:
         node.shutdown()
     second = tmp_path / "second.json"

@@ -290,9 +290,10 @@ class StageRouter:
         policy = getattr(self.node, "policy", None)
         return metadata if policy is None else policy.sign_metadata(metadata, self.run_id, self.node.peer_id, peer)
 
-    def fetch_state(self, stage: int) -> dict[str, torch.Tensor]:
+    def fetch_state(self, stage: int, optimizer: bool = False) -> dict[str, torch.Tensor]:
         """Download the current state dict of ``stage`` from one of its live peers (waiting up to
-        ``stage_wait_timeout`` seconds for one while the stage has none)."""
+        ``stage_wait_timeout`` seconds for one while the stage has none). ``optimizer``: its optimizer's state dict
+        instead, as ``{"optimizer": uint8 tensor}`` holding ``torch.save`` bytes."""
 
         async def download(stub, request) -> tuple[list[runtime_pb2.Tensor], dict]:
             parts, metadata = [], b""
@@ -316,7 +317,7 @@ class StageRouter:
                 continue
             waiting_since = None
             stub = StageServer.get_stub(self.node.p2p, PeerID.from_base58(peer), namespace=self.run_id)
-            metadata = protocol.encode_metadata(self._with_token({}, peer))
+            metadata = protocol.encode_metadata(self._with_token({"optimizer": True} if optimizer else {}, peer))
             request = runtime_pb2.ExpertRequest(uid=stage_uid(self.run_id, stage), metadata=metadata)
             try:
                 tensors, metadata = self.node.run(download(stub, request), timeout=self.request_timeout)

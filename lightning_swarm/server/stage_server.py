@@ -13,6 +13,7 @@ A request that fails validation or computation leaves the stage's parameters and
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import math
 import queue
@@ -79,6 +80,7 @@ class StageServer(ServicerBase):
         checkpoint_activations: bool = False,
         throttle: float = 1.0,
         policy: Optional[AccessPolicy] = None,
+        optimizer_state: Optional[Callable[[], dict]] = None,
     ) -> None:
         if throttle < 1:
             raise ValueError(f"throttle must be at least 1 (a slowdown factor), got {throttle}")
@@ -89,6 +91,7 @@ class StageServer(ServicerBase):
         self.kept = KeptActivations(max_activation_bytes, activation_timeout)
         self.throttle = throttle
         self.policy = policy  # callers off its allow-list, or without the swarm's secret, are refused
+        self.optimizer_state = optimizer_state  # the stage optimizer's state dict, for complete checkpoints
         self.params = [p for p in module.parameters() if p.requires_grad]
         floating = [p.dtype for p in module.parameters() if p.is_floating_point()]
         self.dtype = floating[0] if floating else torch.get_default_dtype()
@@ -153,10 +156,16 @@ class StageServer(ServicerBase):
     async def rpc_state(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Stream the stage's current state dict (uncompressed), e.g. to gather a complete checkpoint."""
+        """Stream the stage's current state dict (uncompressed), e.g. to gather a complete checkpoint; with
+        ``{"optimizer": True}`` in the metadata, its optimizer's state dict instead (``torch.save`` bytes)."""
         self._check_caller(context, request.metadata)
         self._check_uid(request.uid)
-        state = await asyncio.get_running_loop().run_in_executor(None, self.state_dict)
+        if protocol.decode_metadata(request.metadata).get("optimizer"):
+            if self.optimizer_state is None:
+                raise SwarmRequestError(f"stage {self.stage} has no optimizer on this peer (it is not training)")
+            state = {"optimizer": await asyncio.get_running_loop().run_in_executor(None, self._optimizer_bytes)}
+        else:
+            state = await asyncio.get_running_loop().run_in_executor(None, self.state_dict)
         response = runtime_pb2.ExpertResponse(
             tensors=[compression.serialize(t, "none") for t in state.values()],
             metadata=protocol.encode_metadata({"keys": list(state)}),
@@ -345,6 +354,12 @@ class StageServer(ServicerBase):
     def busy(self) -> bool:
         """Whether requests are queued or being computed."""
         return self._tasks.qsize() > 0 or self.lock.locked()
+
+    def _optimizer_bytes(self) -> torch.Tensor:
+        with self.lock:
+            buffer = io.BytesIO()
+            torch.save(self.optimizer_state(), buffer)
+        return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A copy of the stage's current state (stage-local keys), taken between two requests."""
