@@ -130,7 +130,7 @@ class AccessPolicy:
         if self.key is not None:
             given = (metadata or {}).get(AUTH_FIELD)
             expected = self.token(run_id, caller, context.local_id)
-            if not isinstance(given, str) or not hmac.compare_digest(given, expected):
+            if not isinstance(given, str) or not hmac.compare_digest(given.encode(), expected.encode()):
                 refuse(f"peer {_base58(caller)} did not prove the swarm's secret (missing or wrong token)")
 
     def sign_metadata(self, metadata: dict, run_id: str, caller: Union[str, PeerID], receiver: Union[str, PeerID]):
@@ -144,10 +144,7 @@ _last_refusal: dict[str, float] = {}
 
 def refuse(reason: str) -> None:
     """Log (at most once a minute per reason) and raise the refusal."""
-    now = time.monotonic()
-    if now - _last_refusal.get(reason, -_REFUSAL_LOG_PERIOD) >= _REFUSAL_LOG_PERIOD:
-        _last_refusal[reason] = now
-        log.warning("Refused a request: %s", reason)
+    _log_refusal(f"a request: {reason}")
     raise PeerNotAllowedError(reason)
 
 
@@ -290,7 +287,10 @@ class SecretAuthorizer(AuthorizerBase):
 
 
 def _log_refusal(what: str) -> None:
+    """Log a refusal, at most once a minute for the same one (callers with many identities cannot flood it)."""
     now = time.monotonic()
+    if len(_last_refusal) > 1000:
+        _last_refusal.clear()
     if now - _last_refusal.get(what, -_REFUSAL_LOG_PERIOD) >= _REFUSAL_LOG_PERIOD:
         _last_refusal[what] = now
         log.warning("Refused %s", what)
