@@ -2,10 +2,12 @@
 
 A seeded schedule starts and stops serve-only peers of a 3-stage swarm (unequal peers: each is slowed down by a
 throttle drawn from the schedule, so that compute, not the 2 shared cores, sets their speed) while one drive-only
-trainer sends microbatches through it. Every two seconds the benchmark reads the peers' records and computes the
-swarm's throughput (the lowest stage's summed peer throughput) as a fraction of the best allocation of the same
-peers. The same schedule runs twice: with rebalancing, and without (peers stay where they joined; in both runs a
-newcomer joins the bottleneck stage). Also reported: the trainer's own throughput in each run.
+trainer sends microbatches through it. Every two seconds the benchmark reads which peer serves which stage (a peer
+moving counts at its new stage) and computes the swarm's throughput, the lowest stage's summed peer speed, as a
+fraction of the best allocation of the same peers. A peer's speed here is its nominal one, 1 / throttle: the
+peers themselves plan from the throughputs they measure, which the shared cores make noisy. The same schedule
+runs twice: with rebalancing, and without (peers stay where they joined; in both runs the initial peers are
+spread evenly and a newcomer joins the bottleneck stage). Also reported: the trainer's own throughput.
 
     python benchmarks/churn.py            # writes the "churn" section of benchmarks/RESULTS.md
     python benchmarks/churn.py --smoke --out /tmp/r.md   # a short check that the script works
@@ -21,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -29,7 +32,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
 
 from lightning_swarm import discovery  # noqa: E402
-from lightning_swarm.discovery import PeerState  # noqa: E402
 from lightning_swarm.launch import LocalSwarm  # noqa: E402
 from lightning_swarm.node import SwarmNode  # noqa: E402
 from lightning_swarm.rebalancing import best_allocation, capacities  # noqa: E402
@@ -66,17 +68,14 @@ def schedule(seed: int, initial: int, events: int, every: float, max_peers: int)
     return plan
 
 
-def allocation_quality(node: SwarmNode, run_id: str) -> tuple[float, int]:
-    """The swarm's throughput over the best allocation's (peers not measured yet count as the median), peers."""
-    records = [r for stage in discovery.fetch_swarm(node, run_id, STAGES) for r in stage.values()]
-    serving = {r.peer_id: r for r in records if r.state == PeerState.SERVING}
-    if not serving:
+def allocation_quality(node: SwarmNode, run_id: str, speed: dict[str, float]) -> tuple[float, int]:
+    """The swarm's throughput over the best allocation's, by the peers' nominal ``speed``; and the peer count."""
+    present = discovery.current_records(discovery.fetch_swarm(node, run_id, STAGES))
+    stages = {p: r.stage for p, r in present.items() if p in speed}
+    if not stages:
         return 0.0, 0
-    measured = sorted(r.throughput for r in serving.values() if r.throughput > 0) or [1.0]
-    throughput = {p: r.throughput or measured[len(measured) // 2] for p, r in serving.items()}
-    best = best_allocation(throughput, STAGES)
-    stages = {p: r.stage for p, r in serving.items()}
-    return (min(capacities(stages, throughput, STAGES)) / best if best > 0 else 0.0), len(serving)
+    speeds = {p: speed[p] for p in stages}
+    return min(capacities(stages, speeds, STAGES)) / best_allocation(speeds, STAGES), len(stages)
 
 
 def run(rebalance_period: float, plan: list, initial: list[float], duration: float, seed: int, workdir: Path) -> dict:
@@ -85,10 +84,18 @@ def run(rebalance_period: float, plan: list, initial: list[float], duration: flo
     samples: list[tuple[float, float, int]] = []
     record = workdir / f"trainer_{rebalance_period:g}.json"
     with LocalSwarm([GPT], workdir / f"run_{rebalance_period:g}", f"churn{int(rebalance_period)}", env=env) as swarm:
-        names = []
+        names, speed = [], {}
+
+        def join(throttle: float, stage: Optional[int] = None) -> None:
+            names.append(f"p{len(names)}")
+            peer_env = {"SWARM_ROLE": "serve", "SWARM_THROTTLE": str(throttle)}
+            if stage is not None:
+                peer_env["SWARM_STAGE"] = str(stage)
+            peer = swarm.start(names[-1], MODEL, env=peer_env)
+            speed[peer.addresses()[0].rsplit("/", 1)[-1]] = 1.0 / throttle
+
         for i, throttle in enumerate(initial):
-            names.append(f"p{i}")
-            swarm.start(names[-1], MODEL, env={"SWARM_ROLE": "serve", "SWARM_THROTTLE": str(throttle)})
+            join(throttle, stage=i % STAGES)
         trainer_args = [*MODEL, "--max-steps", "1000000", "--history", str(record)]
         swarm.start("trainer", trainer_args, env={"SWARM_ROLE": "drive", "SWARM_MICROBATCHES": "4"})
         node = SwarmNode(initial_peers=swarm.initial_peers(), timeout=20).start()
@@ -99,12 +106,11 @@ def run(rebalance_period: float, plan: list, initial: list[float], duration: flo
                     _, action, throttle = pending.pop(0)
                     live = [n for n in names if swarm.peers[n].alive()]
                     if action == "join":
-                        names.append(f"p{len(names)}")
-                        swarm.start(names[-1], MODEL, env={"SWARM_ROLE": "serve", "SWARM_THROTTLE": str(throttle)})
+                        join(throttle)
                     else:
                         swarm.signal(rng.choice(live), signal.SIGTERM if action == "term" else signal.SIGKILL)
                 try:
-                    quality, peers = allocation_quality(node, swarm.run_id)
+                    quality, peers = allocation_quality(node, swarm.run_id, speed)
                     samples.append((round(now, 1), quality, peers))
                 except Exception as e:  # a missed sample is not a result
                     print(f"could not read the swarm: {e!r}")
@@ -128,7 +134,7 @@ def main() -> None:
     if args.smoke and args.out == RESULTS:
         parser.error("--smoke needs --out: smoke figures never replace benchmarks/RESULTS.md")
     if args.smoke:
-        initial, events, every, duration = [2.0, 2.0, 4.0, 2.0], 1, 20.0, 45.0
+        initial, events, every, duration = [2.0, 4.0, 2.0], 1, 15.0, 30.0
     else:
         initial, events, every, duration = [2.0, 4.0, 8.0, 2.0, 4.0, 8.0], 10, 25.0, 285.0
     plan = schedule(args.seed, len(initial), events, every, max_peers=8)
@@ -162,9 +168,9 @@ def main() -> None:
         f"{machine()}. 3 stages, serve-only peers slowed by throttles {list(THROTTLES)} (initially {initial}), one",
         f"drive-only trainer with 4 microbatches in flight, {duration:.0f} s per run, rebalancing every "
         f"{args.rebalance_period:g} s. Seeded schedule (seed {args.seed}): {events}.",
-        "Quality = the swarm's throughput (lowest stage's summed peer throughput, from the peers' records) over",
-        "the best allocation of the same peers, sampled every 2 s. Both runs follow the same schedule, one after",
-        "the other.",
+        "Quality = the swarm's throughput (the lowest stage's summed nominal peer speed, 1 / throttle, with the",
+        "stages read from the peers' records) over the best allocation of the same peers, sampled every 2 s.",
+        "Both runs follow the same schedule, one after the other.",
         "",
         *table(
             ["run", "mean quality", f"mean after {every:.0f} s", "lowest", "trainer samples/s"],
