@@ -7,6 +7,8 @@ unreachable peer surfaces as an exception instead of a hang.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 from typing import Any, Awaitable, Optional, Sequence, TypeVar
 
 from hivemind.dht import DHT
@@ -43,6 +45,7 @@ class SwarmNode:
         self.timeout = timeout
         self.dht: Optional[DHT] = None
         self.p2p: Optional[P2P] = None
+        self.daemon_pid: Optional[int] = None  # the p2pd the DHT process started
 
     def start(self, attempts: int = 3) -> SwarmNode:
         """Start the DHT (retrying a failed bootstrap, which a busy initial peer can cause) and the RPC replica."""
@@ -63,6 +66,7 @@ class SwarmNode:
                     "the lightning-swarm command, pass --secret-path)"
                 ) from None
         self.p2p = self.run(self.dht.replicate_p2p())
+        self.daemon_pid = self.dht.run_coroutine(_daemon_pid, return_future=True).result(timeout=self.timeout)
         return self
 
     def _create_dht(self) -> DHT:
@@ -132,8 +136,28 @@ class SwarmNode:
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+        kill_daemon(self.daemon_pid)  # a DHT process terminated "the hard way" leaves its p2pd running
+        self.daemon_pid = None
         if self.policy is not None and self.policy.allowed is not None:
             security.remove_guard()  # this process may later join another swarm, or none
+
+
+def kill_daemon(pid: Optional[int]) -> None:
+    """Kill the p2pd daemon with this pid if it still runs (checked by its command line, where /proc exists)."""
+    if pid is None:
+        return
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"p2pd" not in f.read():
+                return  # gone, and the pid reused
+        os.kill(pid, signal.SIGKILL)
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+
+
+async def _daemon_pid(dht: DHT, node: Any) -> Optional[int]:
+    child = getattr(node.p2p, "_child", None)
+    return getattr(child, "pid", None)
 
 
 async def _visible_maddrs(dht: DHT, node: Any) -> list:

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import io
 import logging
+import multiprocessing
 import os
 import random
 import re
@@ -46,7 +47,7 @@ from lightning_swarm.compression import Codec, check_codec
 from lightning_swarm.discovery import Announcer, PeerRecord, PeerState
 from lightning_swarm.errors import StageUnavailableError
 from lightning_swarm.events import EventQueue, PeerJoined, PeerLeft, StageChanged, StageStep
-from lightning_swarm.node import LOOPBACK_MADDRS, SwarmNode
+from lightning_swarm.node import LOOPBACK_MADDRS, SwarmNode, kill_daemon
 from lightning_swarm.optimizer import restrict_to, swarm_optimizer
 from lightning_swarm.rebalancing import Move, Plan, Rebalancer
 from lightning_swarm.security import AccessPolicy
@@ -57,6 +58,13 @@ T = TypeVar("T")
 
 Role = Literal["both", "serve", "drive"]
 STAGE_OPTIMIZERS_KEY = "swarm_stage_optimizers"  # checkpoint entry: stage -> its optimizer's state dict
+LATEST_CHECKPOINT_TTL = 7 * 24 * 3600.0  # how long the swarm remembers where its latest checkpoint is
+
+
+def latest_checkpoint_key(run_id: str) -> str:
+    return f"{run_id}_latest_checkpoint"
+
+
 ENV_PREFIX = "SWARM_"
 
 
@@ -126,6 +134,9 @@ class SwarmStrategy(Strategy):
             still training (so that finishing first does not strand them). Default 300.
         max_queue: requests a stage server keeps waiting; beyond that it answers "busy". Default 64.
         max_request_bytes: largest request a stage server accepts. Default 256 MiB.
+        leave_timeout: after SIGTERM or SIGINT, the longest time in seconds this peer takes to leave: it finishes
+            the current step, announces it is leaving, answers the requests already sent to it and stops its
+            helper processes; past this time it kills them (p2pd included) and exits with code 1. Default 60.
         rebalance_period: seconds between two rebalancing rounds, in which a serving peer may move from a stage
             with spare capacity to the bottleneck stage (see :mod:`~lightning_swarm.rebalancing`); 0 turns
             rebalancing off. ``stage`` is then only where a peer starts. Default 60.
@@ -168,6 +179,7 @@ class SwarmStrategy(Strategy):
         linger: Optional[float] = None,
         max_queue: Optional[int] = None,
         max_request_bytes: Optional[int] = None,
+        leave_timeout: Optional[float] = None,
         rebalance_period: Optional[float] = None,
         throttle: Optional[float] = None,
     ) -> None:
@@ -213,6 +225,7 @@ class SwarmStrategy(Strategy):
         self.linger = _setting("linger", linger, float, 300.0)
         self.max_queue = _setting("max_queue", max_queue, int, 64)
         self.max_request_bytes = _setting("max_request_bytes", max_request_bytes, int, 256 * 2**20)
+        self.leave_timeout = _setting("leave_timeout", leave_timeout, float, 60.0)
         self.rebalance_period = _setting("rebalance_period", rebalance_period, float, 60.0)
         if self.rebalance_period < 0:
             raise ValueError(f"rebalance_period must be positive (or 0: off), got {self.rebalance_period}")
@@ -239,6 +252,7 @@ class SwarmStrategy(Strategy):
         self._rebalancer: Optional[Rebalancer] = None
         self._pending_move: Optional[tuple[Move, Plan]] = None
         self._move_lock = threading.Lock()
+        self._leave_deadline: Optional[threading.Timer] = None  # started by the first SIGTERM or SIGINT
         self.rebalances = 0  # stage changes this peer saw (its own included)
 
     @classmethod
@@ -418,6 +432,38 @@ class SwarmStrategy(Strategy):
             checkpoint[STAGE_OPTIMIZERS_KEY] = self._gather_stage_optimizers()
         super().save_checkpoint(checkpoint, filepath, storage_options)
         self.__dict__.setdefault("_written_checkpoints", set()).add(os.path.abspath(str(filepath)))
+        if self.node is not None:  # where a stage that loses all its peers is restored from
+            latest = dict(path=os.path.abspath(str(filepath)), step=checkpoint.get("global_step"), time=time.time())
+            try:
+                self.node.dht_store(latest_checkpoint_key(self.run_id), "latest", latest, ttl=LATEST_CHECKPOINT_TTL)
+            except Exception as e:
+                log.warning("Could not announce checkpoint %s to the swarm: %r", filepath, e)
+
+    def _restore_from_latest_checkpoint(self, stage: int) -> None:
+        """A stage without live peers in a swarm that saved a checkpoint lost its peers: restore it from the
+        latest checkpoint the swarm announced, if this machine can read that file."""
+        try:
+            found = (self.node.dht_get(latest_checkpoint_key(self.run_id)) or {}).get("latest")
+        except Exception as e:
+            log.warning("Stage %d has no live peer, and the swarm's latest checkpoint could not be read: %r", stage, e)
+            return
+        if not isinstance(found, dict):
+            return  # the swarm never saved a checkpoint: the stage starts from its initialisation
+        path = str(found.get("path"))
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            span = self._spans[stage]
+            state = checkpoint["state_dict"]
+            keys = self._stage_module.state_dict().keys()
+            stage_state = {k: state[partitioning.stage_state_key(self._pipeline_name, span, k)] for k in keys}
+        except Exception as e:
+            log.warning("Stage %d has no live peer and could not be restored from checkpoint %s: %r", stage, path, e)
+            return
+        with self.server.lock:
+            self._stage_module.load_state_dict(stage_state)
+        self._checkpoint_stage_optimizers = checkpoint.get(STAGE_OPTIMIZERS_KEY)
+        self._load_stage_optimizer()
+        log.warning("Stage %d had no live peer: restored from checkpoint %s (step %s)", stage, path, found.get("step"))
 
     def _gather_stage_optimizers(self) -> dict[int, dict]:
         """The optimizer state dict of every stage, from this peer or a live peer of the stage (stages whose state
@@ -509,6 +555,8 @@ class SwarmStrategy(Strategy):
         if self.node is not None:
             self.node.shutdown()
             self.node = None
+        if self._leave_deadline is not None:
+            self._leave_deadline.cancel()  # left the swarm in time: the rest of the script is the user's
         super().teardown()
 
     # ---- the steps ------------------------------------------------------------------------------------------------
@@ -539,6 +587,7 @@ class SwarmStrategy(Strategy):
             self.ban_timeout,
             refresh_period=min(2.0, self.update_period),
             stage_wait_timeout=self.stage_wait_timeout,
+            stop=self._stop_requested,
         )
         self.router.local_server = self.server
         self.router.on_event = self.events.emit
@@ -634,6 +683,8 @@ class SwarmStrategy(Strategy):
             with self.server.lock:
                 if not self._stage_optimizer.load_state_from_peers():
                     log.warning("Stage %d: could not download its state yet; serving will retry before stepping", stage)
+        elif self._stage_optimizer is not None:
+            self._restore_from_latest_checkpoint(stage)
         self.node.run(self.server.add_p2p_handlers(self.node.p2p, namespace=self.run_id))
         self._announcer.start()
         log.warning(
@@ -848,6 +899,15 @@ class SwarmStrategy(Strategy):
             self._service()
             time.sleep(self.update_period / 2)
 
+    def _leave_now(self) -> None:
+        """The graceful exit took longer than ``leave_timeout``: stop every helper process and exit."""
+        log.error("Could not leave the swarm within %gs of the signal: exiting now", self.leave_timeout)
+        for child in multiprocessing.active_children():  # the DHT and averager processes
+            child.kill()
+        if self.node is not None:
+            kill_daemon(self.node.daemon_pid)
+        os._exit(1)
+
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
@@ -860,8 +920,15 @@ class SwarmStrategy(Strategy):
                 return
             if self._stop_requested.is_set():
                 raise KeyboardInterrupt  # a second signal: stop now
-            log.warning("Received signal %d: finishing the current step, then leaving the swarm", signum)
+            log.warning(
+                "Received signal %d: finishing the current step, then leaving the swarm (within %gs)",
+                signum,
+                self.leave_timeout,
+            )
             self._stop_requested.set()
+            self._leave_deadline = threading.Timer(self.leave_timeout, self._leave_now)
+            self._leave_deadline.daemon = True
+            self._leave_deadline.start()
 
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)

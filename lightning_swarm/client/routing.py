@@ -93,9 +93,11 @@ class StageRouter:
         remeasure_after: float = 30.0,
         ema_alpha: float = 0.2,
         stage_wait_timeout: float = 300.0,
+        stop: Optional[threading.Event] = None,
     ) -> None:
         self.node, self.run_id, self.num_stages = node, run_id, num_stages
         self.stage_wait_timeout = stage_wait_timeout
+        self.stop = stop  # set when this peer is leaving: waiting for a stage ends at once
         self._wait_logged_at: dict[int, float] = {}  # stage -> when "no live peer" was last logged
         self.request_timeout, self.max_retries, self.ban_timeout = request_timeout, max_retries, ban_timeout
         self.refresh_period, self.remeasure_after, self.ema_alpha = refresh_period, remeasure_after, ema_alpha
@@ -205,6 +207,8 @@ class StageRouter:
         """Sleep a little while ``stage`` has no usable peer; raise once it had none for ``stage_wait_timeout``."""
         now = time.monotonic()
         waited = now - since
+        if self.stop is not None and self.stop.is_set():
+            raise StageUnavailableError(f"Stage {stage} of run {self.run_id!r} has no live peer; this peer is leaving")
         if waited >= self.stage_wait_timeout:
             raise StageUnavailableError(
                 f"Stage {stage} of run {self.run_id!r} has had no live peer for {waited:.0f}s "
