@@ -89,10 +89,15 @@ class Announcer:
     """A daemon thread that keeps this peer's record fresh, so routers find it and stop finding it once it is gone."""
 
     def __init__(
-        self, node: SwarmNode, run_id: str, make_record: Callable[[], PeerRecord], update_period: float
+        self,
+        node: SwarmNode,
+        run_id: str,
+        make_record: Callable[[], PeerRecord],
+        update_period: float,
+        layout: Optional[dict] = None,
     ) -> None:
         self.node, self.run_id, self.make_record = node, run_id, make_record
-        self.update_period = update_period
+        self.update_period, self.layout = update_period, layout
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="swarm-announcer", daemon=True)
 
@@ -112,6 +117,12 @@ class Announcer:
     def _run(self) -> None:
         while not self._stop.wait(self.update_period):
             self.announce()
+            if self.layout is not None:  # the run's layout outlives its first peers: tools read it (status)
+                try:
+                    ttl = max(60.0, 6 * self.update_period)
+                    self.node.dht_store(meta_key(self.run_id), str(self.node.peer_id), self.layout, ttl)
+                except Exception as e:
+                    log.warning("Could not refresh the run's layout: %r", e)
 
     def stop(self, final: Optional[PeerRecord] = None) -> None:
         self._stop.set()

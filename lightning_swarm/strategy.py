@@ -246,6 +246,7 @@ class SwarmStrategy(Strategy):
         self._batch_size: Optional[int] = None
         self._stop_requested = threading.Event()
         self._training = False
+        self._layout: Optional[dict] = None  # stage count and spans, published for peers and tools
         self._blueprint: Optional[nn.Sequential] = None  # the whole pipeline, blocks of other stages on meta
         self.events = EventQueue()
         self._watcher: Optional[discovery.SwarmWatcher] = None
@@ -571,6 +572,7 @@ class SwarmStrategy(Strategy):
         if self._pipeline_name is None:
             self._partition(module)
         layout = {"num_stages": self.num_stages, "spans": [[s.start, s.end] for s in self._spans]}
+        self._layout = layout
         discovery.check_run_meta(self.node, self.run_id, layout, ttl=max(60.0, 6 * self.update_period))
         if self._stage_module is not None:
             if fitting:
@@ -813,7 +815,9 @@ class SwarmStrategy(Strategy):
         return metrics
 
     def _make_announcer(self) -> Announcer:
-        return Announcer(self.node, self.run_id, lambda: self._record(PeerState.SERVING), self.update_period)
+        return Announcer(
+            self.node, self.run_id, lambda: self._record(PeerState.SERVING), self.update_period, self._layout
+        )
 
     def _record(self, state: PeerState, stage: Optional[int] = None) -> PeerRecord:
         info = self.server.info() if self.server is not None and stage is None else {}
