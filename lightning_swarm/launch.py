@@ -100,9 +100,10 @@ class LocalSwarm:
         return self.peers[name].process.wait(timeout=timeout)
 
     def stop(self, name: str, grace: float = 10.0) -> None:
-        """Stop a peer and everything it started: SIGTERM to its process group, SIGKILL after ``grace`` seconds."""
+        """Stop a peer and everything it started: SIGTERM to the peer (which then stops its own helper processes,
+        as on a preemption), SIGKILL to its whole process group after ``grace`` seconds."""
         peer = self.peers[name]
-        _signal_group(peer.process.pid, signal.SIGTERM)
+        self.signal(name, signal.SIGTERM)
         try:
             peer.process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
@@ -111,8 +112,8 @@ class LocalSwarm:
         peer.process.wait()
 
     def stop_all(self, grace: float = 10.0) -> None:
-        for name in self.peers:
-            _signal_group(self.peers[name].process.pid, signal.SIGTERM)
+        for name in self.peers:  # all leave at once; signalling the group would kill their DHT processes first
+            self.signal(name, signal.SIGTERM)
         for name in self.peers:
             self.stop(name, grace)
 

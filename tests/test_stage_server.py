@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -205,5 +206,40 @@ def test_empty_tensor_with_a_huge_batch_dimension_is_refused(swarm):
         assert all("SwarmRequestError" in outcome for outcome in outcomes.values()), outcomes
         assert info["backward_samples"] == 0 and info["throughput"] < 1e6, info
         assert peer.alive()
+    finally:
+        node.shutdown()
+
+
+def test_a_flood_of_requests_is_answered_busy_and_the_server_keeps_serving(swarm):
+    """64 concurrent requests to a server that queues at most 4 (and computes slowly, throttled): the excess is
+    answered "busy" at once (the queue does not grow), each refusal is logged, and the server then serves again."""
+    env = {**SERVE_ENV, "SWARM_MAX_QUEUE": "4", "SWARM_THROTTLE": "200"}
+    peer = swarm.start("server", SMALL_GPT, env=env)
+    node = SwarmNode(initial_peers=peer.addresses()).start()
+    try:
+        client = RawClient(node, peer.addresses()[0], swarm.run_id)
+        wait_until_serving(client, peer)
+        before = client.state()
+        x = wire(activation())
+
+        def forward(_):
+            try:
+                client.call("forward", [x], {"codec": "none", "train": False})
+                return "served"
+            except P2PHandlerError as e:
+                return "busy" if "StageBusyError" in str(e) else str(e)
+
+        start = time.monotonic()
+        with ThreadPoolExecutor(64) as pool:
+            outcomes = list(pool.map(forward, range(64)))
+        took = time.monotonic() - start
+        counts = {outcome: outcomes.count(outcome) for outcome in set(outcomes)}
+        print(f"  64 concurrent forwards: {counts} in {took:.1f}s")
+        assert set(counts) <= {"served", "busy"}, counts
+        assert counts.get("busy", 0) >= 64 - 5 - 8  # at most the queue, the one computing and a few finished
+        assert counts.get("served", 0) >= 1
+        assert "is busy (4 requests queued)" in peer.log()
+        assert client.call("forward", [x], {"codec": "none", "train": False})[0].shape == (4, BLOCK, D_MODEL)
+        assert bytes_of(client.state()) == bytes_of(before) and peer.alive()
     finally:
         node.shutdown()
