@@ -94,7 +94,7 @@ def test_churn_smoke(tmp_path):
     text = smoke(tmp_path, "churn", timeout=600)
     figures = r" \| ([0-9.]+)" * 4
     rows = re.findall(r"^\| (?:with|without) rebalancing" + figures + r" \|$", text, re.MULTILINE)
-    assert len(rows) == 2, text
+    assert len(rows) == 1, text  # the smoke runs the variant with rebalancing only
     for mean, _, lowest, trainer in rows:
         assert 0 < float(mean) <= 1.0 and 0 <= float(lowest) <= float(mean) and float(trainer) > 0, text
     assert (tmp_path / "results" / "churn.json").exists()

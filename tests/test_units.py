@@ -266,9 +266,9 @@ def _shares(router, draws: int = 20000) -> dict:
 
 
 def test_stochastic_wiring_shares_work_by_throughput_and_load():
-    def load(throughput=None, **kwargs) -> PeerLoad:
-        record = PeerRecord("p", 0, PeerState.SERVING, 0.0, kwargs.pop("queue", 0))
-        return PeerLoad(record, throughput, measured_at=time.monotonic(), **kwargs)
+    def load(throughput=0.0, **kwargs) -> PeerLoad:
+        record = PeerRecord("p", 0, PeerState.SERVING, throughput, kwargs.pop("queue", 0))
+        return PeerLoad(record, **kwargs)
 
     shares = _shares(_router_with({"fast": load(300.0), "slow": load(100.0)}))
     assert abs(shares["fast"] - 0.75) < 0.02  # idle peers: in proportion to throughput
@@ -276,7 +276,7 @@ def test_stochastic_wiring_shares_work_by_throughput_and_load():
     shares = _shares(_router_with({"a": load(100.0, in_flight=24), "b": load(100.0)}))
     assert abs(shares["b"] - 0.8) < 0.02  # 8 samples to do on b, 32 on a: b is 4x as likely
 
-    shares = _shares(_router_with({"known": load(100.0), "new": load(None)}))
+    shares = _shares(_router_with({"known": load(100.0), "new": load(0.0)}))
     assert abs(shares["new"] - 0.5) < 0.02  # a newcomer is assumed as fast as the fastest, so it gets tried
 
     banned = load(1000.0, banned_until=time.monotonic() + 60)

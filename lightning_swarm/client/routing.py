@@ -3,10 +3,11 @@ expected to finish it first.
 
 For each peer of a stage the router estimates how long the microbatch would take there: the samples queued there
 (from the peer's DHT record), the samples this process has in flight there and the microbatch itself, divided by
-the peer's throughput as measured from this process's own calls. A peer is chosen with probability inversely
-proportional to that time: idle peers share the work in proportion to their throughput, busy ones get less. A peer
-not measured yet, or not for ``remeasure_after`` seconds, is assumed as fast as the fastest measured one, so that
-newcomers and peers once slow get tried (and measured) again.
+the throughput the peer publishes (what its device sustains for the stage, measured on the requests it served).
+A peer is chosen with probability inversely proportional to that time: idle peers share the work in proportion to
+their throughput, busy ones get less. A peer that has not published a throughput yet counts as the fastest, so
+that newcomers get tried. (Estimates measured on this process's own calls, network included, were tried: one slow
+first call, e.g. while a peer warms up, starved that peer of the calls that would have corrected it.)
 A failed or timed-out call bans the peer for a while and the work goes to another peer of the same stage; after
 ``max_retries`` failed attempts the stage is reported as unavailable. A stage with no usable peer at all (none in
 the DHT, or all banned) is waited for, with a log line every ``WAIT_LOG_PERIOD`` seconds, for up to
@@ -52,16 +53,12 @@ class PeerLoad:
     """What this process knows about one peer's load."""
 
     record: PeerRecord
-    throughput: Optional[float] = None  # samples/s of this process's calls there; None until one succeeded
-    measured_at: float = 0.0
     in_flight: int = 0
     banned_until: float = 0.0
     failures: int = 0
 
-    def known_throughput(self, now: float, remeasure_after: float) -> Optional[float]:
-        return self.throughput if now - self.measured_at < remeasure_after else None
-
     def time_to_finish(self, batch: int, throughput: float) -> float:
+        """Expected seconds until ``batch`` more samples are done there, at ``throughput`` samples/s."""
         return (self.record.queue + self.in_flight + batch) / max(throughput, 1e-9)
 
 
@@ -90,8 +87,6 @@ class StageRouter:
         max_retries: int = 5,
         ban_timeout: float = 15.0,
         refresh_period: float = 2.0,
-        remeasure_after: float = 30.0,
-        ema_alpha: float = 0.2,
         stage_wait_timeout: float = 300.0,
         stop: Optional[threading.Event] = None,
     ) -> None:
@@ -100,7 +95,7 @@ class StageRouter:
         self.stop = stop  # set when this peer is leaving: waiting for a stage ends at once
         self._wait_logged_at: dict[int, float] = {}  # stage -> when "no live peer" was last logged
         self.request_timeout, self.max_retries, self.ban_timeout = request_timeout, max_retries, ban_timeout
-        self.refresh_period, self.remeasure_after, self.ema_alpha = refresh_period, remeasure_after, ema_alpha
+        self.refresh_period = refresh_period
         self.stats = RouterStats()
         self.on_event: Optional[Callable[[events.SwarmEvent], None]] = None  # receives Failover events
         self.local_server: Optional[StageServer] = None  # this peer's own stage server, called without the network
@@ -137,13 +132,13 @@ class StageRouter:
         now = time.monotonic()
         with self._lock:
             usable = [
-                (peer_id, load, load.known_throughput(now, self.remeasure_after))
+                (peer_id, load)
                 for peer_id, load in self._peers[stage].items()
                 if peer_id not in exclude and load.banned_until <= now and load.record.state == PeerState.SERVING
             ]
-            fastest = max((t for *_, t in usable if t is not None), default=DEFAULT_THROUGHPUT)
-            weights = [1.0 / load.time_to_finish(batch, fastest if t is None else t) for _, load, t in usable]
-        return self._rng.choices([peer_id for peer_id, *_ in usable], weights)[0] if usable else None
+            fastest = max((load.record.throughput for _, load in usable), default=0.0) or DEFAULT_THROUGHPUT
+            weights = [1.0 / load.time_to_finish(batch, load.record.throughput or fastest) for _, load in usable]
+        return self._rng.choices([peer_id for peer_id, _ in usable], weights)[0] if usable else None
 
     # ---- calls ------------------------------------------------------------------------------------------------------
 
@@ -268,10 +263,6 @@ class StageRouter:
             self.stats.bytes_received += protocol.payload_bytes(reply)
             self.stats.seconds[stage] = self.stats.seconds.get(stage, 0.0) + elapsed
             if load is not None:
-                measured, now = batch / max(elapsed, 1e-6), time.monotonic()
-                previous = load.known_throughput(now, self.remeasure_after) or measured
-                load.throughput = previous + self.ema_alpha * (measured - previous)
-                load.measured_at = now
                 load.failures = 0
         return reply
 

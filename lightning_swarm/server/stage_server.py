@@ -46,7 +46,7 @@ class StageServer(ServicerBase):
 
     Args:
         module: the stage's blocks, already on ``device``.
-        on_backward: called on the worker thread after each successful backward with the microbatch size,
+        on_backward: called on the worker thread after each successful backward (once answered) with its size,
             once the parameters' ``.grad`` hold that microbatch's gradients (the stage optimizer's hook).
         on_idle: called on the worker thread whenever no request came for ``idle_period`` seconds, so that a
             peer the routers leave idle still follows the stage's optimizer steps.
@@ -275,13 +275,18 @@ class StageServer(ServicerBase):
                     output = self._compute(kind, tensors, key)
             except (SwarmRequestError, ActivationsLostError) as e:
                 future.set_exception(e)
+                continue
             except Exception as e:  # a failing module call is the request's fault (shape, content), not ours
                 future.set_exception(SwarmRequestError(f"stage {self.stage} {kind} failed: {e!r}"))
-            else:
-                if self.throttle > 1:
-                    time.sleep((self.throttle - 1) * (time.perf_counter() - start))
-                self.throughput.update(batch, interval=time.perf_counter() - start)
-                future.set_result(output)
+                continue
+            if self.throttle > 1:
+                time.sleep((self.throttle - 1) * (time.perf_counter() - start))
+            self.throughput.update(batch, interval=time.perf_counter() - start)  # compute only, not the step below
+            if kind == "backward":
+                self.backward_samples += batch
+            future.set_result(output)  # the caller goes on while the stage optimizer takes its turn
+            if kind == "backward":
+                self._hand_over_gradients(batch)
 
     def _idle(self) -> None:
         if self.on_idle is None:
@@ -346,10 +351,17 @@ class StageServer(ServicerBase):
         grads = torch.autograd.grad(outputs, [inputs, *self.params], grad_outputs.to(self.device), allow_unused=True)
         for param, grad in zip(self.params, grads[1:]):
             param.grad = torch.zeros_like(param) if grad is None else grad
-        self.backward_samples += int(inputs.shape[0])
-        if self.on_backward is not None:
-            self.on_backward(int(inputs.shape[0]))
         return grads[0]
+
+    def _hand_over_gradients(self, batch: int) -> None:
+        """After a backward was answered: the stage optimizer accumulates its gradients (and steps)."""
+        if self.on_backward is None:
+            return
+        try:
+            with self.lock:
+                self.on_backward(batch)
+        except Exception as e:  # the caller has its gradient; the next backward or idle period tries again
+            log.warning("Stage %d: the optimizer failed after a backward: %r", self.stage, e)
 
     def busy(self) -> bool:
         """Whether requests are queued or being computed."""
