@@ -136,7 +136,7 @@ def main() -> None:
     if args.smoke:
         initial, events, every, duration = [2.0, 4.0, 2.0], 1, 15.0, 30.0
     else:
-        initial, events, every, duration = [2.0, 4.0, 8.0, 2.0, 4.0, 8.0], 10, 25.0, 285.0
+        initial, events, every, duration = [2.0, 4.0, 8.0, 2.0, 4.0, 8.0], 8, 20.0, 180.0
     plan = schedule(args.seed, len(initial), events, every, max_peers=8)
     results = {}
     with tempfile.TemporaryDirectory(prefix="churn_") as tmp:

@@ -12,6 +12,7 @@ import threading
 import time
 
 import psutil
+import pytest
 from conftest import SMALL_GPT
 from test_swarm import FAST, history
 
@@ -79,20 +80,21 @@ def test_sigterm_mid_training_leaves_in_time_and_loses_no_microbatch(swarm, tmp_
     print(f"SIGTERM to exit: {took:.1f}s; trainer failovers {run['failovers']}, recomputed {run['recomputed']}")
 
 
+@pytest.mark.timeout(600)
 def test_chaos_kills_and_restarts(swarm, tmp_path):
-    """While a trainer runs a fixed number of steps, a seeded schedule kills stage peers (SIGKILL and SIGTERM, 12
+    """While a trainer runs a fixed number of steps, a seeded schedule kills stage peers (SIGKILL and SIGTERM, 10
     times) and starts replacements. A stage keeps at least one live peer (a stage whose last peer died would
     restart from scratch). The run completes every step, the loss falls, peers told to stop leave in time, and
     nothing hangs."""
     rng = random.Random(7)
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "16", "SWARM_LEAVE_TIMEOUT": str(LEAVE_TIMEOUT)}
-    env.update(SWARM_ROLE="serve", SWARM_REBALANCE_PERIOD="0", SWARM_REQUEST_TIMEOUT="10.0", SWARM_BAN_TIMEOUT="5.0")
+    env.update(SWARM_ROLE="serve", SWARM_REBALANCE_PERIOD="0", SWARM_REQUEST_TIMEOUT="5.0", SWARM_BAN_TIMEOUT="5.0")
     stage_of = {}
     for name, stage in (("a0", 0), ("b0", 0), ("a1", 1), ("b1", 1)):
         swarm.start(name, SMALL_GPT, env={**env, "SWARM_STAGE": str(stage)})
         stage_of[name] = stage
     record = tmp_path / "trainer.json"
-    max_steps, events = 200, 12
+    max_steps, events = 150, 10
     swarm.start(
         "trainer",
         [*SMALL_GPT, "--max-steps", str(max_steps), "--lr", "1e-2", "--history", str(record)],
@@ -101,11 +103,15 @@ def test_chaos_kills_and_restarts(swarm, tmp_path):
     wait_for_steps(swarm, "trainer", record, 10)
 
     kills: list[tuple[float, str, str]] = []  # (time, signal, peer)
+    exit_codes: dict[str, int] = {}  # of the peers told to leave with SIGTERM
     starting: list[threading.Thread] = []
     for i in range(events):
-        wait_for_steps(swarm, "trainer", record, 10 + 12 * i)
+        wait_for_steps(swarm, "trainer", record, 10 + 10 * i)
         while True:  # a victim whose stage keeps another live, reachable peer
-            alive = {n: s for n, s in stage_of.items() if swarm.peers[n].alive() and swarm.peers[n].addresses()}
+            # a replacement may not be launched yet; and Popen.poll() says "running" while another thread polls
+            killed = {victim for _, _, victim in kills}
+            peers = {n: swarm.peers.get(n) for n in stage_of if n not in killed}
+            alive = {n: stage_of[n] for n, p in peers.items() if p is not None and p.alive() and p.addresses()}
             victims = [n for n, s in alive.items() if sum(1 for t in alive.values() if t == s) >= 2]
             if victims:
                 break
@@ -122,7 +128,7 @@ def test_chaos_kills_and_restarts(swarm, tmp_path):
         thread.start()
         starting.append(thread)
         if how == "SIGTERM":
-            assert swarm.wait(victim, timeout=LEAVE_TIMEOUT + 10) == 0, swarm.peers[victim].log()[-3000:]
+            exit_codes[victim] = swarm.wait(victim, timeout=LEAVE_TIMEOUT + 10)
     for thread in starting:
         thread.join(timeout=180)
 
@@ -131,9 +137,9 @@ def test_chaos_kills_and_restarts(swarm, tmp_path):
     assert run["steps"] == max_steps  # every step completed (retried where a peer died under it)
     losses = run["losses"]
     assert statistics.mean(losses[-20:]) < statistics.mean(losses[:20]) - 0.3, (losses[:20], losses[-20:])
-    for _, how, victim in kills:
-        if how == "SIGTERM":
-            assert not processes_in_group(swarm.peers[victim].process.pid), f"{victim} left processes behind"
+    assert set(exit_codes.values()) <= {0}, exit_codes  # each peer told to leave left cleanly, in time
+    for victim in exit_codes:
+        assert not processes_in_group(swarm.peers[victim].process.pid), f"{victim} left processes behind"
 
     times = run["times"]
     recover = [next((t for t in times if t > at), times[-1]) - at for at, _, _ in kills]
@@ -142,7 +148,8 @@ def test_chaos_kills_and_restarts(swarm, tmp_path):
     print(
         f"{len(kills)} kills ({sum(h == 'SIGKILL' for _, h, _ in kills)} SIGKILL), failovers {run['failovers']}, "
         f"recomputed {run['recomputed']}; next step after a kill: median {statistics.median(recover):.2f}s, "
-        f"max {max(recover):.2f}s; seconds per step before the chaos {before:.3f}, during {during:.3f}"
+        f"max {max(recover):.2f}s; seconds per step before the chaos {before:.3f}, during {during:.3f}; "
+        f"exit codes after SIGTERM {exit_codes}"
     )
 
 

@@ -87,7 +87,8 @@ def test_skewed_swarm_rebalances_and_movers_serve_their_new_stage_exactly(swarm,
 
 def test_a_throttled_peer_gets_work_in_proportion_to_its_throughput(swarm, tmp_path):
     """Two peers serve stage 0, one throttled to a third of its speed: the routers send it a share of the
-    microbatches within 25% of its share of the stage's throughput."""
+    microbatches within 25% of its share of the stage's throughput (as the peers published it, averaged over the
+    run: on a shared machine it moves)."""
     model = ["--d-model", "128", "--n-layer", "4", "--n-head", "4", "--block-size", "64", "--batch-size", "16"]
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_REBALANCE_PERIOD": "0", "SWARM_TARGET_BATCH_SIZE": "64"}
     env["SWARM_ROLE"] = "serve"
@@ -96,17 +97,23 @@ def test_a_throttled_peer_gets_work_in_proportion_to_its_throughput(swarm, tmp_p
     swarm.start("last", model, env={**env, "SWARM_STAGE": "1"})
     record = tmp_path / "trainer.json"
     args = [*model, "--max-steps", "60", "--history", str(record)]
-    swarm.start("trainer", args, env={**env, "SWARM_ROLE": "drive"})
-    assert swarm.wait("trainer", timeout=400) == 0, swarm.peers["trainer"].log()[-3000:]
-
-    calls = history(record)["calls_per_peer"]
+    trainer = swarm.start("trainer", args, env={**env, "SWARM_ROLE": "drive"})
     fast, slow = peer_id(swarm.peers["fast"]), peer_id(swarm.peers["slow"])
     node = SwarmNode(initial_peers=swarm.peers["last"].addresses()).start()
+    shares = []
     try:
-        records = discovery.fetch_stage(node, swarm.run_id, 0)
+        deadline = time.monotonic() + 400
+        while trainer.alive():
+            assert time.monotonic() < deadline, trainer.log()[-3000:]
+            records = discovery.fetch_stage(node, swarm.run_id, 0)
+            if slow in records and fast in records and records[slow].throughput and records[fast].throughput:
+                shares.append(records[slow].throughput / (records[slow].throughput + records[fast].throughput))
+            time.sleep(1.0)
     finally:
         node.shutdown()
-    throughput_share = records[slow].throughput / (records[slow].throughput + records[fast].throughput)
+    assert swarm.wait("trainer", timeout=30) == 0, trainer.log()[-3000:]
+    calls = history(record)["calls_per_peer"]
+    throughput_share = sum(shares) / len(shares)
     work_share = calls[slow] / (calls[slow] + calls[fast])
     print(f"throttled peer: {throughput_share:.3f} of the throughput, {work_share:.3f} of the calls ({calls})")
     assert 0.15 < throughput_share < 0.35  # the throttle took effect
