@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Callable, Optional
@@ -98,6 +99,7 @@ class Announcer:
     ) -> None:
         self.node, self.run_id, self.make_record = node, run_id, make_record
         self.update_period, self.layout = update_period, layout
+        self._layout_stored_at = time.monotonic()  # check_run_meta stored it when the peer joined
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="swarm-announcer", daemon=True)
 
@@ -117,10 +119,11 @@ class Announcer:
     def _run(self) -> None:
         while not self._stop.wait(self.update_period):
             self.announce()
-            if self.layout is not None:  # the run's layout outlives its first peers: tools read it (status)
-                try:
-                    ttl = max(60.0, 6 * self.update_period)
+            ttl = max(60.0, 6 * self.update_period)
+            if self.layout is not None and time.monotonic() - self._layout_stored_at > ttl / 3:
+                try:  # the run's layout outlives its first peers: tools read it (status)
                     self.node.dht_store(meta_key(self.run_id), str(self.node.peer_id), self.layout, ttl)
+                    self._layout_stored_at = time.monotonic()
                 except Exception as e:
                     log.warning("Could not refresh the run's layout: %r", e)
 

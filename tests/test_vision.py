@@ -6,6 +6,7 @@ import csv
 import math
 import time
 
+import test_swarm
 from conftest import PEER_ENV, ROOT
 
 from lightning_swarm import cli
@@ -13,16 +14,8 @@ from lightning_swarm.launch import LocalSwarm
 
 VISION_SCRIPT = str(ROOT / "examples" / "vision.py")
 SMALL_CNN = ["--channels", "16", "--n-blocks", "2", "--batch-size", "16", "--lr", "3e-3"]
-FAST = {  # short timeouts so that a test swarm reacts within seconds
-    "SWARM_MATCHMAKING_TIME": "1.0",
-    "SWARM_AVERAGING_TIMEOUT": "4.0",
-    "SWARM_UPDATE_PERIOD": "1.0",
-    "SWARM_REQUEST_TIMEOUT": "20.0",
-    "SWARM_BAN_TIMEOUT": "30.0",
-    "SWARM_JOIN_TIMEOUT": "120.0",
-    "SWARM_LINGER": "60.0",
-    "SWARM_REBALANCE_PERIOD": "0",  # each peer keeps its stage: the test checks what each logged about it
-}
+# each peer keeps its stage: the test checks what each logged about it
+FAST = {**test_swarm.FAST, "SWARM_LINGER": "60.0", "SWARM_REBALANCE_PERIOD": "0"}
 
 
 def train_losses(log_dir) -> list[float]:
