@@ -208,14 +208,34 @@ class SwarmOptimizer(hivemind.Optimizer):
         return self.local_epoch >= self.tracker.global_epoch
 
     def _should_load_state_from_peers(self) -> bool:
-        # hivemind lets a peer one epoch behind step with its own gradients; here the others' round is over by the
-        # time their new epoch is visible, so such a step would fork this peer's parameters from theirs
+        if self.delay_grad_averaging and self.grad_averager.local_samples_accumulated > 0:
+            # a peer's new epoch shows as soon as it schedules its step, while that step's all-reduce still
+            # assembles in the background: a peer one epoch behind with gradients joins it (hivemind's rule)
+            return self.local_epoch < self.tracker.global_epoch - 1
+        # synchronous: the others' round is over by the time their new epoch shows; stepping with this peer's own
+        # gradients would fork its parameters from theirs
         return self.local_epoch < self.tracker.global_epoch
 
     def progress(self) -> dict:
         """This peer's epoch, steps taken, and gradient all-reduces by group size (string keys, for msgpack)."""
         sizes = {str(k): v for k, v in self.allreduce_sizes.items()}
         return dict(epoch=self.local_epoch, steps=self.steps, allreduce_sizes=sizes)
+
+    def apply_finished_update(self, wait: bool = False) -> None:
+        """Delayed updates: put the result of a background step that has finished into the parameters now (``wait``:
+        let a step still running finish first, up to the averaging timeout).
+
+        hivemind applies it at the next ``step`` call, after the next backward; a stage server calls this before
+        every forward, so that staleness lasts as long as the background step runs, one step at most.
+        """
+        if self.delay_optimizer_step:
+            self.state_averager.step(wait_for_delayed_updates=wait, apply_delayed_updates=True)
+
+    def state_dict(self) -> dict:
+        """The optimizer's state, with a delayed step still running finished and applied first."""
+        self.apply_finished_update(wait=True)
+        with self.state_averager.lock_optimizer:
+            return super().state_dict()
 
     def follow_swarm(self) -> None:
         """Keep an idle peer in step with the others (call it between two ``step`` calls).
@@ -226,8 +246,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         others have stepped without this peer, or join the epoch transition they are ready for if this peer has
         gradients to contribute.
         """
-        if self.delay_optimizer_step:
-            self.state_averager.step(apply_delayed_updates=True)
+        self.apply_finished_update()
         if self._should_load_state_from_peers():
             self.load_state_from_peers()
         elif self.grad_averager.local_samples_accumulated > 0 and self.tracker.ready_to_update_epoch:

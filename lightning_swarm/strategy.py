@@ -95,8 +95,8 @@ class SwarmStrategy(Strategy):
         compression: codec for activations and their gradients between stages: ``"8bit"`` (blockwise),
             ``"float16"`` or ``"none"``.
         delayed_updates: a stage's all-reduce and optimizer step run in the background while its peer keeps
-            serving with the previous parameters (one step of staleness, never more). Default False for now: with
-            it on, two peers of a stage can end a run apart by about one step (being investigated).
+            serving with the previous parameters; the new ones serve from the first forward after the step
+            finished (one step of staleness at most, only for work done during the step). Default True.
         microbatches: a training batch is split into this many microbatches that travel through the stages
             concurrently, so that one trainer keeps several stages busy (loss and gradients equal the unsplit
             batch's). Uses the largest divisor of the batch size not above it. Default 1.
@@ -200,7 +200,7 @@ class SwarmStrategy(Strategy):
             raise ValueError(f"stage={self.stage} is not one of the {self.num_stages} stages")
         self.target_batch_size = _setting("target_batch_size", target_batch_size, int, None)
         self.compression = check_codec(_setting("compression", compression, str, "8bit"))
-        self.delayed_updates = _setting("delayed_updates", delayed_updates, _flag, False)
+        self.delayed_updates = _setting("delayed_updates", delayed_updates, _flag, True)
         self.microbatches = _setting("microbatches", microbatches, int, 1)
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be at least 1, got {self.microbatches}")
@@ -664,6 +664,7 @@ class SwarmStrategy(Strategy):
             self.root_device,
             on_backward=self._stage_step if optimizer is not None else None,
             on_idle=optimizer.follow_swarm if optimizer is not None else None,
+            refresh_parameters=optimizer.apply_finished_update if optimizer is not None else None,
             idle_period=self.matchmaking_time / 4,
             describe=optimizer.progress if optimizer is not None else None,
             max_queue=self.max_queue,

@@ -98,3 +98,11 @@ def test_churn_smoke(tmp_path):
     for mean, _, lowest, trainer in rows:
         assert 0 < float(mean) <= 1.0 and 0 <= float(lowest) <= float(mean) and float(trainer) > 0, text
     assert (tmp_path / "results" / "churn.json").exists()
+
+
+def test_delayed_updates_smoke(tmp_path):
+    text = smoke(tmp_path, "delayed_updates", timeout=600)
+    row = re.search(r"^\| 0 \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \|$", text, re.MULTILINE)
+    assert row, text
+    synchronous, delayed, ratio = map(float, row.groups())
+    assert synchronous > 0 and delayed > 0 and abs(ratio - delayed / synchronous) < 0.01, text

@@ -207,12 +207,16 @@ def test_late_joiner_downloads_the_stage_and_a_drive_only_trainer(swarm, tmp_pat
         node.shutdown()
 
 
-def test_peers_of_a_stage_all_reduce_and_stay_together(swarm, tmp_path):
+@pytest.mark.parametrize("delayed", [False, True], ids=["synchronous", "delayed"])
+def test_peers_of_a_stage_all_reduce_and_stay_together(swarm, tmp_path, delayed):
     """Two trainers, two peers of stage 1: the routers use both peers, the peers all-reduce when both hold samples
     (and download the state when one was left idle), and their parameters stay together: they differ by far less
     than training moved them. (Equality is not guaranteed: a round that fails to assemble in time lets each peer
-    step alone, which the next rounds heal by averaging.)"""
+    step alone, which the next rounds heal by averaging.) With delayed updates, the all-reduce and step run in the
+    background: a peer's new epoch shows while its round still assembles, and a peer that joins it too late steps
+    alone once, so the bound is looser; once the swarm is idle, the peers hold the same epoch all the same."""
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_COMPRESSION": "none", "SWARM_TARGET_BATCH_SIZE": "64"}
+    env["SWARM_DELAYED_UPDATES"] = str(delayed)
     env.update(SWARM_MATCHMAKING_TIME="2.0", SWARM_AVERAGING_TIMEOUT="8.0")  # rounds that assemble on 2 busy cores
     swarm.start("stage0", SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "0"})
     peers = [swarm.start(name, SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"}) for name in "ab"]
@@ -241,6 +245,6 @@ def test_peers_of_a_stage_all_reduce_and_stay_together(swarm, tmp_path):
         assert all(info["backward_samples"] > 0 for info in infos), "a peer of stage 1 never got work"
         assert infos[0]["epoch"] == infos[1]["epoch"] > 0
         assert any(info["allreduce_sizes"].get("2", 0) > 0 for info in infos), "the peers never all-reduced"
-        assert apart < 0.25 * moved
+        assert apart < (0.5 if delayed else 0.25) * moved
     finally:
         node.shutdown()

@@ -288,7 +288,8 @@ class StageRouter:
     def fetch_state(self, stage: int, optimizer: bool = False) -> dict[str, torch.Tensor]:
         """Download the current state dict of ``stage`` from one of its live peers (waiting up to
         ``stage_wait_timeout`` seconds for one while the stage has none). ``optimizer``: its optimizer's state dict
-        instead, as ``{"optimizer": uint8 tensor}`` holding ``torch.save`` bytes."""
+        instead, as ``{"optimizer": uint8 tensor}`` holding ``torch.save`` bytes. A peer that fails (busy, or
+        refusing while it steps) is tried again after the others, with a growing pause, up to ``max_retries``."""
 
         async def download(stub, request) -> tuple[list[runtime_pb2.Tensor], dict]:
             parts, metadata = [], b""
@@ -298,14 +299,17 @@ class StageRouter:
             return protocol.combine(parts), protocol.decode_metadata(metadata)
 
         errors: list[str] = []
+        failed: set[str] = set()  # tried since every live peer last failed
         waiting_since = None
         while len(errors) <= self.max_retries:
-            peer = self.choose(stage, 1, exclude=frozenset(errors))
+            peer = self.choose(stage, 1, exclude=frozenset(failed))
             if peer is None:
                 self.refresh(stage, force=True)
-                peer = self.choose(stage, 1, exclude=frozenset(errors))
-            if peer is None and errors:
-                break  # every live peer failed to send it
+                peer = self.choose(stage, 1, exclude=frozenset(failed))
+            if peer is None and failed:  # every live peer failed once (busy, or mid-step): try them again shortly
+                failed.clear()
+                time.sleep(min(0.5 * 2 ** len(errors), 5.0))
+                continue
             if peer is None:  # no peer serves the stage right now: wait for one, as calls do
                 waiting_since = waiting_since or time.monotonic()
                 self._wait_for_peer(stage, waiting_since, None)
@@ -320,7 +324,8 @@ class StageRouter:
             except Exception as e:
                 log.warning("Stage %d: could not download state from %s: %r", stage, peer, e)
                 errors.append(peer)
-        raise StageUnavailableError(f"Could not download the state of stage {stage} from any live peer {errors}")
+                failed.add(peer)
+        raise StageUnavailableError(f"Could not download the state of stage {stage}: {len(errors)} attempts failed {errors}")
 
     def _ban(self, stage: int, peer: str) -> None:
         with self._lock:

@@ -50,6 +50,9 @@ class StageServer(ServicerBase):
             once the parameters' ``.grad`` hold that microbatch's gradients (the stage optimizer's hook).
         on_idle: called on the worker thread whenever no request came for ``idle_period`` seconds, so that a
             peer the routers leave idle still follows the stage's optimizer steps.
+        refresh_parameters: puts the result of a background (delayed) optimizer step into the parameters. Called
+            with ``wait=False`` on the worker before each forward, so that only forwards run during a step see the
+            old parameters; with ``wait=True`` (a step still running finishes first) before the state is read.
         describe: more entries for ``info()`` (e.g. the stage optimizer's progress).
         max_queue: requests waiting for the worker; further requests are answered "busy".
         max_request_bytes: requests with more tensor bytes are refused before they are decoded.
@@ -71,6 +74,7 @@ class StageServer(ServicerBase):
         device: torch.device,
         on_backward: Optional[Callable[[int], None]] = None,
         on_idle: Optional[Callable[[], None]] = None,
+        refresh_parameters: Optional[Callable[[bool], None]] = None,
         idle_period: float = 1.0,
         describe: Optional[Callable[[], dict]] = None,
         max_queue: int = 64,
@@ -87,6 +91,7 @@ class StageServer(ServicerBase):
         self.run_id, self.stage, self.uid = run_id, stage, stage_uid(run_id, stage)
         self.module, self.device, self.on_backward = module, device, on_backward
         self.on_idle, self.idle_period, self.describe = on_idle, idle_period, describe
+        self.refresh_parameters = refresh_parameters
         self.max_request_bytes, self.checkpoint_activations = max_request_bytes, checkpoint_activations
         self.kept = KeptActivations(max_activation_bytes, activation_timeout)
         self.throttle = throttle
@@ -299,6 +304,8 @@ class StageServer(ServicerBase):
 
     def _compute(self, kind: str, tensors: list[torch.Tensor], key: Optional[tuple[str, str]]) -> torch.Tensor:
         if kind == "forward":
+            if self.refresh_parameters is not None:
+                self.refresh_parameters(False)
             return self._forward(tensors[0]) if key is None else self._forward_and_keep(tensors[0], key)
         return self._backward(*tensors) if key is None else self._backward_kept(key, tensors[0])
 
@@ -374,8 +381,11 @@ class StageServer(ServicerBase):
         return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """A copy of the stage's current state (stage-local keys), taken between two requests."""
+        """A copy of the stage's current state (stage-local keys), taken between two requests, with the last
+        optimizer step in it."""
         with self.lock:
+            if self.refresh_parameters is not None:
+                self.refresh_parameters(True)
             return {k: t.detach().cpu().clone() for k, t in self.module.state_dict().items()}
 
     def shutdown(self) -> None:

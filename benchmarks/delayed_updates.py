@@ -1,0 +1,107 @@
+"""What delayed parameter updates buy where they should: stages of several peers, whose gradient all-reduce and
+optimizer step otherwise stop the stage's worker every step.
+
+A 2-stage swarm of two serve-only peers per stage and two drive-only trainers (8-bit compression; each trainer's
+batch split into microbatches in flight; the stages step every batch of both trainers together) trains
+examples/gpt.py with synchronous and with delayed stage updates, the two taking turns (--repeats pairs). Throughput:
+both trainers' samples/s together over the second half of their steps. Each process gets one torch thread; all
+run on this machine (loopback).
+
+    python benchmarks/delayed_updates.py            # writes benchmarks/RESULTS.md
+    python benchmarks/delayed_updates.py --smoke    # a short check that the script works
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
+from swarm_throughput import GPT, ONE_THREAD, STAGES, SWARM, model_args, steady_throughput  # noqa: E402
+
+from lightning_swarm.launch import LocalSwarm  # noqa: E402
+
+PEERS_PER_STAGE = 2
+TRAINERS = 2
+
+
+def swarm(args: list[str], work: Path, run_id: str, delayed: bool, microbatches: int, target: int) -> list[dict]:
+    """Train with two peers per stage and two trainers; returns each trainer's history."""
+    env = {
+        **SWARM,
+        "SWARM_DELAYED_UPDATES": str(delayed),
+        "SWARM_MICROBATCHES": str(microbatches),
+        "SWARM_TARGET_BATCH_SIZE": str(target),
+        "SWARM_REBALANCE_PERIOD": "0",
+    }
+    paths = [work / f"{run_id}_trainer{i}.json" for i in range(TRAINERS)]
+    with LocalSwarm([GPT], work / run_id, run_id=run_id, env=ONE_THREAD) as local:
+        for stage in range(STAGES):
+            for k in range(PEERS_PER_STAGE):
+                serve = {**env, "SWARM_ROLE": "serve", "SWARM_STAGE": str(stage)}
+                local.start(f"stage{stage}_{k}", args, env=serve)
+        for i, path in enumerate(paths):
+            extra = ["--data-seed", str(i), "--history", str(path)]
+            local.start(f"trainer{i}", [*args, *extra], env={**env, "SWARM_ROLE": "drive"})
+        for i in range(TRAINERS):
+            if local.wait(f"trainer{i}", timeout=1200) != 0:
+                raise RuntimeError(local.peers[f"trainer{i}"].log()[-3000:])
+    return [json.loads(path.read_text()) for path in paths]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model and a few steps, to check the script")
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=40, help="steps of each trainer")
+    parser.add_argument("--batch-size", type=int, default=16, help="each trainer's batch")
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="pairs of runs (synchronous, then delayed)")
+    parser.add_argument("--out", default=str(RESULTS))
+    a = parser.parse_args()
+    if a.smoke:
+        a.d_model, a.steps, a.repeats = 32, 6, 1
+    args = model_args(a.d_model, a.steps, a.batch_size, 64)
+    target = TRAINERS * a.batch_size
+    runs: dict[str, list[float]] = {"synchronous": [], "delayed": []}
+    with tempfile.TemporaryDirectory(prefix="delayed_") as tmp:
+        for repeat in range(a.repeats):
+            for label in runs:
+                run_id = f"dpu{repeat}_{label}"
+                histories = swarm(args, Path(tmp), run_id, label == "delayed", a.microbatches, target)
+                runs[label].append(sum(steady_throughput(h) for h in histories))
+                print(f"{label:12s} run {repeat}: {runs[label][-1]:.1f} samples/s", flush=True)
+    ratios = [d / s for s, d in zip(runs["synchronous"], runs["delayed"])]
+    lines = [
+        "## Delayed updates with two peers per stage",
+        "",
+        f"`python benchmarks/delayed_updates.py`{' --smoke' if a.smoke else ''}, {machine()}; GPT with 4 blocks, "
+        f"d_model {a.d_model}, {STAGES} stages of {PEERS_PER_STAGE} serve-only peers, {TRAINERS} drive-only trainers "
+        f"of batch {a.batch_size} in {a.microbatches} microbatches, {a.steps} steps each, target batch size "
+        f"{target}, 8-bit compression, matchmaking time {SWARM['SWARM_MATCHMAKING_TIME']} s; one torch thread per "
+        "process, all on this machine (loopback). Runs take turns: synchronous, delayed, synchronous, ...",
+        "",
+        *table(
+            ["pair", "synchronous (samples/s)", "delayed (samples/s)", "delayed / synchronous"],
+            [
+                [str(i), f"{s:.1f}", f"{d:.1f}", f"{r:.2f}"]
+                for i, (s, d, r) in enumerate(zip(runs["synchronous"], runs["delayed"], ratios))
+            ],
+        ),
+        "",
+        f"Median gain of delayed updates: {statistics.median(ratios):.2f}x.",
+    ]
+    update_section("delayed_updates", lines, Path(a.out))
+    if not a.smoke:
+        save_data("delayed_updates", {**runs, "ratios": ratios})
+
+
+if __name__ == "__main__":
+    main()
