@@ -11,13 +11,13 @@ This file is the table of contents. Each step of SWARM lives in its own module:
 - :mod:`~lightning_swarm.client.remote_pipeline`: the module that replaces the pipeline in ``training_step``;
 - :mod:`~lightning_swarm.compression`: 8-bit activations and gradients on the wire;
 - :mod:`~lightning_swarm.rebalancing`: peers move from stages with spare capacity to the bottleneck;
-- :mod:`~lightning_swarm.events` and :mod:`~lightning_swarm.callbacks`: swarm events for Lightning callbacks.
+- :mod:`~lightning_swarm.events` and :mod:`~lightning_swarm.callbacks`: swarm events for Lightning callbacks;
+- :mod:`~lightning_swarm.checkpointing`: complete checkpoints (stage optimizers, one writer, the latest one).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import logging
 import multiprocessing
@@ -39,8 +39,9 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from lightning_swarm import discovery, partitioning, rebalancing, security
+from lightning_swarm import checkpointing, discovery, partitioning, rebalancing, security
 from lightning_swarm.callbacks import dispatch
+from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY
 from lightning_swarm.client.remote_pipeline import RemotePipeline
 from lightning_swarm.client.routing import StageRouter
 from lightning_swarm.compression import Codec, check_codec
@@ -57,14 +58,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 Role = Literal["both", "serve", "drive"]
-STAGE_OPTIMIZERS_KEY = "swarm_stage_optimizers"  # checkpoint entry: stage -> its optimizer's state dict
-LATEST_CHECKPOINT_TTL = 7 * 24 * 3600.0  # how long the swarm remembers where its latest checkpoint is
-
-
-def latest_checkpoint_key(run_id: str) -> str:
-    return f"{run_id}_latest_checkpoint"
-
-
 ENV_PREFIX = "SWARM_"
 
 
@@ -419,8 +412,7 @@ class SwarmStrategy(Strategy):
         module.load_state_dict({k: v for k, v in state.items() if not k.startswith(prefix)}, strict=False)
         if self._stage_module is not None:
             span = self._spans[self.served_stage]
-            keys = self._stage_module.state_dict().keys()
-            stage_state = {k: state[partitioning.stage_state_key(self._pipeline_name, span, k)] for k in keys}
+            stage_state = checkpointing.stage_state(state, self._pipeline_name, span, self._stage_module.state_dict())
             with self.server.lock if self.server is not None else contextlib.nullcontext():
                 self._stage_module.load_state_dict(stage_state, strict=strict)
 
@@ -434,29 +426,19 @@ class SwarmStrategy(Strategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
         self.__dict__.setdefault("_written_checkpoints", set()).add(os.path.abspath(str(filepath)))
         if self.node is not None:  # where a stage that loses all its peers is restored from
-            latest = dict(path=os.path.abspath(str(filepath)), step=checkpoint.get("global_step"), time=time.time())
-            try:
-                self.node.dht_store(latest_checkpoint_key(self.run_id), "latest", latest, ttl=LATEST_CHECKPOINT_TTL)
-            except Exception as e:
-                log.warning("Could not announce checkpoint %s to the swarm: %r", filepath, e)
+            checkpointing.announce(self.node, self.run_id, str(filepath), checkpoint.get("global_step"))
 
     def _restore_from_latest_checkpoint(self, stage: int) -> None:
         """A stage without live peers in a swarm that saved a checkpoint lost its peers: restore it from the
         latest checkpoint the swarm announced, if this machine can read that file."""
-        try:
-            found = (self.node.dht_get(latest_checkpoint_key(self.run_id)) or {}).get("latest")
-        except Exception as e:
-            log.warning("Stage %d has no live peer, and the swarm's latest checkpoint could not be read: %r", stage, e)
-            return
-        if not isinstance(found, dict):
+        found = checkpointing.find_latest(self.node, self.run_id)
+        if found is None:
             return  # the swarm never saved a checkpoint: the stage starts from its initialisation
         path = str(found.get("path"))
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            span = self._spans[stage]
-            state = checkpoint["state_dict"]
-            keys = self._stage_module.state_dict().keys()
-            stage_state = {k: state[partitioning.stage_state_key(self._pipeline_name, span, k)] for k in keys}
+            span, keys = self._spans[stage], self._stage_module.state_dict()
+            stage_state = checkpointing.stage_state(checkpoint["state_dict"], self._pipeline_name, span, keys)
         except Exception as e:
             log.warning("Stage %d has no live peer and could not be restored from checkpoint %s: %r", stage, path, e)
             return
@@ -474,15 +456,14 @@ class SwarmStrategy(Strategy):
             try:
                 if self.server is not None and self.served_stage == span.index and self._stage_optimizer is not None:
                     with self.server.lock:
-                        state = _copy_state(self._stage_optimizer.state_dict())
+                        state = checkpointing.copy_state(self._stage_optimizer.state_dict())
                 else:
                     raw = self.router.fetch_state(span.index, optimizer=True)["optimizer"]
                     state = torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=True)
             except Exception as e:
                 log.warning("Checkpoint without the optimizer state of stage %d: %r", span.index, e)
                 continue
-            state["state"].pop("local_epoch", None)  # the swarm's epoch counter, not the optimizer's
-            states[span.index] = state
+            states[span.index] = checkpointing.optimizer_state(state)
         return states
 
     def _load_stage_optimizer(self) -> None:
@@ -490,8 +471,7 @@ class SwarmStrategy(Strategy):
         saved = (getattr(self, "_checkpoint_stage_optimizers", None) or {}).get(self.served_stage)
         if saved is None or self._stage_optimizer is None:
             return
-        state = {**saved, "state": {k: v for k, v in saved["state"].items() if k != "local_epoch"}}
-        self._stage_optimizer.load_state_dict(state)
+        self._stage_optimizer.load_state_dict(checkpointing.optimizer_state(saved))
         log.warning("Stage %d: optimizer state loaded from the checkpoint", self.served_stage)
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -502,29 +482,10 @@ class SwarmStrategy(Strategy):
             super().remove_checkpoint(filepath)
 
     def claim_checkpoint(self, filepath: str, ttl: float = 60.0) -> bool:
-        """Whether this peer writes ``filepath``: the rule is one writer per absolute path at a time.
-
-        The peer claims the path in the DHT (``<run_id>_checkpoints``, a claim lasting ``ttl`` seconds), waits for
-        concurrent claims to land, and writes only if no peer with a smaller peer id claimed the same path within
-        ``ttl``; the others skip it and log which peer writes it. Peers that want copies of their own save to
-        different paths (even on separate disks, the same absolute path is written by one peer). If the DHT cannot
-        be read, the peer writes.
-        """
-        key = f"{self.run_id}_checkpoints"
-        path_id = hashlib.sha256(os.path.abspath(filepath).encode()).hexdigest()[:16]
-        me = str(self.node.peer_id)
-        try:
-            self.node.dht_store(key, f"{path_id}:{me}", time.time(), ttl=ttl)
-            time.sleep(min(1.0, self.update_period))  # let claims made at the same time land
-            claims = self.node.dht_get(key) or {}
-        except Exception as e:
-            log.warning("Could not claim checkpoint %s in the swarm (%r): writing it", filepath, e)
-            return True
-        claimants = sorted({str(sub).split(":", 1)[1] for sub in claims if str(sub).startswith(path_id + ":")} | {me})
-        if claimants[0] != me:
-            log.warning("Checkpoint %s is written by peer %s: this peer skips it", filepath, claimants[0])
-            return False
-        return True
+        """Whether this peer writes ``filepath`` (:func:`lightning_swarm.checkpointing.claim`): the others skip it.
+        Peers that want copies of their own save to different paths (even on separate disks, the same absolute
+        path is written by one peer)."""
+        return checkpointing.claim(self.node, self.run_id, filepath, ttl, settle=min(1.0, self.update_period))
 
     def fetch_stage_state(self, stage: int) -> dict[str, torch.Tensor]:
         """The current state dict of ``stage`` (stage-local keys), from this peer or a live peer of the stage."""
@@ -937,14 +898,6 @@ class SwarmStrategy(Strategy):
 
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
-
-
-def _copy_state(state: dict) -> dict:
-    """A deep copy of an optimizer state dict (its tensors keep changing in the stage worker)."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 def _as_list(value: Union[str, list[str]]) -> list[str]:

@@ -15,8 +15,8 @@ from raw_client import RawClient, wait_until_serving, wire
 from test_swarm import FAST
 
 from lightning_swarm import compression, protocol
+from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY
 from lightning_swarm.node import SwarmNode
-from lightning_swarm.strategy import STAGE_OPTIMIZERS_KEY
 
 GPT_ARGS = [*SMALL_GPT[:2], *SMALL_GPT[4:], "--n-layer", "3", "--lr", "1e-2"]  # three blocks: one per stage
 EVAL_META = {"codec": "none", "train": False}

@@ -325,7 +325,7 @@ class StageRouter:
                 log.warning("Stage %d: could not download state from %s: %r", stage, peer, e)
                 errors.append(peer)
                 failed.add(peer)
-        raise StageUnavailableError(f"Could not download the state of stage {stage}: {len(errors)} attempts failed {errors}")
+        raise StageUnavailableError(f"Could not download the state of stage {stage}: {len(errors)} attempts failed")
 
     def _ban(self, stage: int, peer: str) -> None:
         with self._lock:

@@ -1,0 +1,93 @@
+"""Complete checkpoints of a swarm: what they hold beyond Lightning's, which peer writes them, and where a stage
+that lost all its peers finds the latest one.
+
+A swarm checkpoint is an ordinary Lightning checkpoint of the whole model (the local modules and every stage,
+gathered from live peers) plus, under ``STAGE_OPTIMIZERS_KEY``, each stage optimizer's state dict. One peer writes
+a given path (a claim in the DHT), and each checkpoint written is announced in the DHT.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import time
+from typing import Any, Iterable, Optional
+
+import torch
+
+from lightning_swarm import partitioning
+from lightning_swarm.node import SwarmNode
+
+log = logging.getLogger(__name__)
+
+STAGE_OPTIMIZERS_KEY = "swarm_stage_optimizers"  # checkpoint entry: stage -> its optimizer's state dict
+LATEST_CHECKPOINT_TTL = 7 * 24 * 3600.0  # how long the swarm remembers where its latest checkpoint is
+
+
+def latest_checkpoint_key(run_id: str) -> str:
+    return f"{run_id}_latest_checkpoint"
+
+
+def claim(node: SwarmNode, run_id: str, filepath: str, ttl: float = 60.0, settle: float = 1.0) -> bool:
+    """Whether this peer writes ``filepath``: one writer per absolute path at a time.
+
+    The peer claims the path in the DHT (``<run_id>_checkpoints``, for ``ttl`` seconds), waits ``settle`` seconds
+    for concurrent claims to land, and writes only if no peer with a smaller peer id claimed the same path within
+    ``ttl``. If the DHT cannot be read, the peer writes.
+    """
+    key = f"{run_id}_checkpoints"
+    path_id = hashlib.sha256(os.path.abspath(filepath).encode()).hexdigest()[:16]
+    me = str(node.peer_id)
+    try:
+        node.dht_store(key, f"{path_id}:{me}", time.time(), ttl=ttl)
+        time.sleep(settle)
+        claims = node.dht_get(key) or {}
+    except Exception as e:
+        log.warning("Could not claim checkpoint %s in the swarm (%r): writing it", filepath, e)
+        return True
+    claimants = sorted({str(sub).split(":", 1)[1] for sub in claims if str(sub).startswith(path_id + ":")} | {me})
+    if claimants[0] != me:
+        log.warning("Checkpoint %s is written by peer %s: this peer skips it", filepath, claimants[0])
+        return False
+    return True
+
+
+def announce(node: SwarmNode, run_id: str, filepath: str, step: Optional[int]) -> None:
+    """Tell the swarm where its latest checkpoint is (a stage that loses all its peers is restored from it)."""
+    latest = dict(path=os.path.abspath(filepath), step=step, time=time.time())
+    try:
+        node.dht_store(latest_checkpoint_key(run_id), "latest", latest, ttl=LATEST_CHECKPOINT_TTL)
+    except Exception as e:
+        log.warning("Could not announce checkpoint %s to the swarm: %r", filepath, e)
+
+
+def find_latest(node: SwarmNode, run_id: str) -> Optional[dict]:
+    """The latest checkpoint the swarm announced (``path``, ``step``, ``time``), or None."""
+    try:
+        found = (node.dht_get(latest_checkpoint_key(run_id)) or {}).get("latest")
+    except Exception as e:
+        log.warning("The swarm's latest checkpoint could not be read: %r", e)
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def stage_state(
+    state_dict: dict[str, torch.Tensor], pipeline_name: str, span: partitioning.StageSpan, keys: Iterable[str]
+) -> dict[str, torch.Tensor]:
+    """A stage's state dict (stage-local ``keys``) cut from the whole model's."""
+    return {k: state_dict[partitioning.stage_state_key(pipeline_name, span, k)] for k in keys}
+
+
+def optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A stage optimizer's state dict without the swarm's epoch counter, which hivemind keeps in it."""
+    return {**state, "state": {k: v for k, v in state["state"].items() if k != "local_epoch"}}
+
+
+def copy_state(state: dict) -> dict:
+    """A deep copy of an optimizer state dict (its tensors keep changing in the stage worker)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
