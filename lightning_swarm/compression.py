@@ -103,6 +103,11 @@ def deserialize(message: runtime_pb2.Tensor, device: Union[torch.device, str, No
     raise ValueError(f"unsupported compression {message.compression}")
 
 
+def raw_nbytes(message: runtime_pb2.Tensor) -> int:
+    """The bytes of the tensor a message carries, uncompressed."""
+    return math.prod(message.size) * _dtype(message.dtype.removesuffix(EIGHT_BIT_TAG)).itemsize
+
+
 def error_bound(tensor: torch.Tensor, codec: str) -> torch.Tensor:
     """The largest elementwise error ``deserialize(serialize(tensor, codec))`` may have, per element."""
     if codec == "none" or not tensor.is_floating_point():

@@ -59,7 +59,9 @@ def test_bad_arguments_are_refused_clearly(kwargs, message):
 @pytest.mark.parametrize("shape", [(3, 7), (2, 64, 96), (5000,)])
 def test_codec_round_trips_within_its_bound(codec, shape):
     tensor = torch.randn(*shape) * torch.logspace(-2, 2, shape[-1])
-    wire = compression.serialize(tensor, codec).SerializeToString()  # the bytes that cross the network
+    message = compression.serialize(tensor, codec)
+    assert compression.raw_nbytes(message) == tensor.numel() * 4  # what the message carries, uncompressed
+    wire = message.SerializeToString()  # the bytes that cross the network
     decoded = compression.deserialize(runtime_pb2.Tensor.FromString(wire))
     assert decoded.shape == tensor.shape and decoded.dtype == tensor.dtype
     error = (decoded - tensor).abs()

@@ -6,6 +6,9 @@ forward with the output gradient alone: that peer kept the forward's graph. The 
 on the caller: if that peer died or dropped the graph, the input goes with the gradient to any peer of the stage,
 which recomputes the stage's forward from it.
 
+Activations and gradients are encoded once, where they are made: a stage's reply goes on to the next stage as it
+came, compressed, and only the pipeline's output and input gradient are decoded here.
+
 A batch is split into equal microbatches that travel through the stages concurrently (each on its own route), so
 that one trainer keeps several stages busy at once. Outputs and input gradients are concatenated back, so the loss
 and the gradients equal the unsplit batch's: each microbatch's output gradient is scaled to be that of its own
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
 import torch
+from hivemind.proto import runtime_pb2
 from torch import nn
 
 from lightning_swarm import compression
@@ -33,10 +37,10 @@ T = TypeVar("T")
 
 @dataclass
 class Route:
-    """A microbatch's way through the stages: each stage's input, the peer that ran it, and the key under which
-    that peer keeps the forward's graph."""
+    """A microbatch's way through the stages: each stage's input (as sent), the peer that ran it, and the key under
+    which that peer keeps the forward's graph."""
 
-    inputs: list[torch.Tensor]
+    inputs: list[runtime_pb2.Tensor]
     peers: list[str]
     keys: list[Optional[str]]  # None: the forward was not kept (no backward expected)
 
@@ -95,22 +99,23 @@ class RemotePipeline(nn.Module):
             return list(map(fn, *iterables))
         return list(self._pool.map(fn, *iterables))
 
-    def _forward_route(self, hidden: torch.Tensor, keep: bool = False) -> tuple[torch.Tensor, Route]:
-        route = Route([], [], [])
+    def _forward_route(self, inputs: torch.Tensor, keep: bool = False) -> tuple[torch.Tensor, Route]:
+        route, hidden = Route([], [], []), compression.serialize(inputs, self.codec)
         for stage in range(self.num_stages):
             key = uuid.uuid4().hex if keep else None
             route.inputs.append(hidden)
             hidden, peer = self._call(stage, "forward", [hidden], keep=key)
             route.peers.append(peer)
             route.keys.append(key)
-        return hidden, route
+        return compression.deserialize(hidden), route
 
-    def _backward_route(self, grad: torch.Tensor, route: Route) -> torch.Tensor:
+    def _backward_route(self, grad_outputs: torch.Tensor, route: Route) -> torch.Tensor:
+        grad = compression.serialize(grad_outputs, self.codec)
         for stage in reversed(range(self.num_stages)):
             grad = self._backward_stage(stage, grad, route)
-        return grad
+        return compression.deserialize(grad)
 
-    def _backward_stage(self, stage: int, grad: torch.Tensor, route: Route) -> torch.Tensor:
+    def _backward_stage(self, stage: int, grad: runtime_pb2.Tensor, route: Route) -> runtime_pb2.Tensor:
         """Backward on the peer that kept the forward; else recompute on a peer of the stage from the input."""
         peer, failed = route.peers[stage], None
         if route.keys[stage] is not None:
@@ -133,21 +138,20 @@ class RemotePipeline(nn.Module):
         self,
         stage: int,
         method: str,
-        tensors: list[torch.Tensor],
+        messages: list[runtime_pb2.Tensor],
         prefer: Optional[str] = None,
         failover: bool = True,
         **metadata: Optional[str],
-    ) -> tuple[torch.Tensor, str]:
-        """Encode, call ``method`` of ``stage`` (only on ``prefer`` without failover), decode the reply."""
-        messages = [compression.serialize(t, self.codec) for t in tensors]
-        self.router.stats.raw_bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+    ) -> tuple[runtime_pb2.Tensor, str]:
+        """Call ``method`` of ``stage`` (only on ``prefer`` without failover); the reply as it came."""
+        self.router.stats.raw_bytes_sent += sum(compression.raw_nbytes(m) for m in messages)
         metadata = {"codec": self.codec, "train": self.training, **metadata}
-        batch = int(tensors[0].shape[0]) if tensors[0].ndim else 1
+        batch = int(messages[0].size[0]) if messages[0].size else 1
         if failover:
             reply, peer = self.router.call(stage, method, messages, metadata, batch, prefer=prefer)
         else:
             reply, peer = self.router.call_peer(stage, prefer, method, messages, metadata, batch), prefer
-        return compression.deserialize(reply[0]), peer
+        return reply[0], peer
 
 
 class _RemoteStages(torch.autograd.Function):
