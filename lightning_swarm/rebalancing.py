@@ -12,6 +12,9 @@ The swarm trains as fast as its slowest stage, whose capacity is the summed thro
    larger margin would leave swarms further from their best allocation (at worst 1 / (1 + margin) of it).
 3. In one round at most one peer leaves each stage: the first planned peer whose stage at the end of the plan
    differs from its stage now. Moves out of the same stage wait for later rounds, planned again from fresh records.
+4. Just before it moves, the chosen peer plans the same round again from records read afresh, and moves only if
+   that plan still moves it: peers that planned a moment apart may have read throughputs that differ enough to
+   choose two different peers of a stage, and the one that moves second then sees the first one gone.
 
 Every peer computes the plan from the same records with the same tie-breaks (peer ids hashed with the round
 number), so peers agree on who moves without a coordinator, and only the chosen peers move. A peer that moved,
@@ -46,11 +49,12 @@ class Move:
 
 @dataclass(frozen=True)
 class Plan:
-    """This round's moves, and the swarm throughput (samples/s) now and once the whole plan is carried out."""
+    """A round's moves, and the swarm throughput (samples/s) now and once the whole plan is carried out."""
 
     moves: tuple[Move, ...]
     current: float
     planned: float
+    round: int = 0
 
     @property
     def gain(self) -> float:
@@ -122,12 +126,12 @@ def make_plan(swarm: list[dict[str, PeerRecord]], round_: int = 0, margin: float
         planned.extend(moves)
 
     if not planned or (current > 0 and min(totals) < current * (1 + margin)):
-        return Plan((), current, current)
+        return Plan((), current, current, round_)
     first_out: dict[int, Move] = {}  # net moves (a peer may move twice in the plan), in the order planned
     for peer in dict.fromkeys(move.peer_id for move in planned):
         if allocation[peer] != start[peer]:
             first_out.setdefault(start[peer], Move(peer, start[peer], allocation[peer]))
-    return Plan(tuple(first_out.values()), current, min(totals))
+    return Plan(tuple(first_out.values()), current, min(totals), round_)
 
 
 def bottleneck(swarm: list[dict[str, PeerRecord]]) -> list[int]:
@@ -246,3 +250,7 @@ class Rebalancer:
             )
             self.request_move(move, plan)
         return move
+
+    def confirms(self, move: Move, plan: Plan, swarm: list[dict[str, PeerRecord]]) -> bool:
+        """Whether ``plan``'s round, planned again from ``swarm`` (fresh records), still makes this move."""
+        return make_plan(swarm, plan.round, self.margin).move_of(self.peer_id) == move

@@ -726,15 +726,17 @@ class SwarmStrategy(Strategy):
         download its parameters, optimizer state and step from a live peer of it before serving."""
         if self.served_stage != move.from_stage or self.server is None:
             return
-        try:  # fresh records: never leave a stage without a peer
-            records = discovery.fetch_stage(self.node, self.run_id, move.from_stage).values()
+        try:  # fresh records: never leave a stage without a peer, nor follow a peer that just left it
+            swarm = discovery.fetch_swarm(self.node, self.run_id, self.num_stages)
         except Exception as e:
-            log.warning(
-                "Not moving to stage %d: could not read stage %d's peers (%r)", move.to_stage, move.from_stage, e
-            )
+            log.warning("Not moving to stage %d: could not read the swarm's records (%r)", move.to_stage, e)
             return
+        records = swarm[move.from_stage].values()
         if not any(r.state == PeerState.SERVING and r.peer_id != str(self.node.peer_id) for r in records):
             log.warning("Not moving to stage %d: no other peer serves stage %d now", move.to_stage, move.from_stage)
+            return
+        if not self._rebalancer.confirms(move, plan, swarm):
+            log.warning("Not moving to stage %d: the swarm changed since the plan", move.to_stage)
             return
         self._rebalancer.paused.set()
         try:

@@ -133,6 +133,21 @@ def test_rebalancer_moves_only_the_chosen_peer_and_then_cools_down():
     assert rebalancer.tick(3) is not None
 
 
+def test_two_peers_chosen_from_views_a_moment_apart_do_not_both_leave_their_stage():
+    """x and y planned the same round from throughputs read a moment apart, and each found itself the best peer to
+    move; x moved first. y plans that round again from fresh records before moving: x is at stage 0, so y stays."""
+    allocation = {"r": 0, "x": 1, "y": 1, "z": 1}
+    view_of_x = records(allocation, {"r": 9.0, "x": 11.0, "y": 10.0, "z": 10.0}, 2)
+    view_of_y = records(allocation, {"r": 9.0, "x": 10.0, "y": 11.0, "z": 10.0}, 2)
+    moves = {peer: make_plan(view, round_=5).move_of(peer) for peer, view in (("x", view_of_x), ("y", view_of_y))}
+    assert moves["x"] is not None and moves["y"] is not None  # without the check, stage 1 would lose two peers
+    y = Rebalancer("y", 60.0, lambda: view_of_y, lambda move, plan: None)
+    plan_of_y = make_plan(view_of_y, round_=5)
+    assert y.confirms(moves["y"], plan_of_y, view_of_y)  # nothing changed: the move stands
+    fresh = records({**allocation, "x": 0}, {"r": 9.0, "x": 10.0, "y": 11.0, "z": 10.0}, 2, x=PeerState.JOINING)
+    assert not y.confirms(moves["y"], plan_of_y, fresh)
+
+
 @pytest.mark.parametrize("num_stages", [1, 2, 3])
 def test_best_allocation_is_exhaustive(num_stages):
     rng = random.Random(num_stages)
