@@ -7,6 +7,7 @@ daemon it started, even after ``kill -9`` of the peer itself.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
+
+# the kernel list a torch dispatcher error ends with: hundreds of lines that push the error out of a log's tail
+_KERNEL_LISTING = re.compile(r"^\w+: (fallthrough )?registered at \S+ \[.*\]\n", re.MULTILINE)
 
 
 @dataclass
@@ -30,7 +34,9 @@ class Peer:
         return self.process.poll() is None
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        """What the peer printed, without torch's lists of registered kernels."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return _KERNEL_LISTING.sub("", text)
 
 
 class LocalSwarm:
