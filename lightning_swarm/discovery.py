@@ -107,12 +107,12 @@ class Announcer:
         self.announce()
         self._thread.start()
 
-    def announce(self, record: Optional[PeerRecord] = None) -> None:
+    def announce(self, record: Optional[PeerRecord] = None, ttl: Optional[float] = None) -> None:
+        """Store ``record`` (by default, the current one) for ``ttl`` seconds (by default, two update periods)."""
         record = record or self.make_record()
+        ttl = 2 * self.update_period if ttl is None else ttl
         try:
-            self.node.dht_store(
-                stage_key(self.run_id, record.stage), record.peer_id, record.to_value(), ttl=2 * self.update_period
-            )
+            self.node.dht_store(stage_key(self.run_id, record.stage), record.peer_id, record.to_value(), ttl=ttl)
         except Exception as e:  # a missed refresh is retried next period; the record outlives one miss
             log.warning("Could not announce stage %d: %r", record.stage, e)
 

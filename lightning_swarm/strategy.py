@@ -59,6 +59,7 @@ T = TypeVar("T")
 
 Role = Literal["both", "serve", "drive"]
 ENV_PREFIX = "SWARM_"
+LEAVE_GRACE = 10.0  # seconds a peer leaving its stage keeps answering the requests already sent to it
 
 
 class SwarmStrategy(Strategy):
@@ -233,6 +234,7 @@ class SwarmStrategy(Strategy):
         self.served_stage: Optional[int] = None
         self._stage_module: Optional[nn.Module] = None  # the blocks of the served stage, kept across runs
         self._announcer: Optional[Announcer] = None
+        self._joining = False  # serving a stage whose state is still being downloaded
         self._stage_optimizer = None
         self._spans: list[partitioning.StageSpan] = []
         self._pipeline_name: Optional[str] = None
@@ -637,8 +639,9 @@ class SwarmStrategy(Strategy):
             policy=self.node.policy,
             optimizer_state=optimizer.state_dict if optimizer is not None else None,
         )
+        self._joining = True
         self._announcer = self._make_announcer()
-        self._announcer.announce(self._record(PeerState.JOINING))
+        self._announcer.start()  # the record stays fresh however long the download below takes
         live = [
             p for p in discovery.fetch_stage(self.node, self.run_id, stage).values() if p.state == PeerState.SERVING
         ]
@@ -650,7 +653,8 @@ class SwarmStrategy(Strategy):
         elif self._stage_optimizer is not None:
             self._restore_from_latest_checkpoint(stage)
         self.node.run(self.server.add_p2p_handlers(self.node.p2p, namespace=self.run_id))
-        self._announcer.start()
+        self._joining = False
+        self._announcer.announce()
         log.warning(
             "Serving stage %d of %d (blocks %d..%d)",
             stage,
@@ -667,7 +671,7 @@ class SwarmStrategy(Strategy):
         if self._stage_optimizer.local_epoch > epoch:
             self.events.emit(StageStep(self.served_stage, self._stage_optimizer.local_epoch))
 
-    def _stop_serving(self, grace: float = 10.0) -> None:
+    def _stop_serving(self, grace: float = LEAVE_GRACE) -> None:
         """Leave the served stage gracefully: announce it, give routers time to notice while the requests already
         sent are answered (at most ``grace`` seconds), then stop the server and the stage optimizer."""
         if self._announcer is not None:
@@ -740,7 +744,10 @@ class SwarmStrategy(Strategy):
             return
         self._rebalancer.paused.set()
         try:
-            self._announcer.announce(self._record(PeerState.JOINING, stage=move.to_stage))  # a move, not a departure
+            # a move, not a departure: the record lasts until the new stage's server announces it
+            self._announcer.announce(
+                self._record(PeerState.JOINING, stage=move.to_stage), ttl=2 * self.update_period + LEAVE_GRACE
+            )
             self._stop_serving()
             self._stage_module.to("meta")
             self.served_stage = move.to_stage
@@ -780,7 +787,11 @@ class SwarmStrategy(Strategy):
 
     def _make_announcer(self) -> Announcer:
         return Announcer(
-            self.node, self.run_id, lambda: self._record(PeerState.SERVING), self.update_period, self._layout
+            self.node,
+            self.run_id,
+            lambda: self._record(PeerState.JOINING if self._joining else PeerState.SERVING),
+            self.update_period,
+            self._layout,
         )
 
     def _record(self, state: PeerState, stage: Optional[int] = None) -> PeerRecord:

@@ -36,7 +36,9 @@ class Recorder(SwarmCallback):
     on_swarm_stage_step = on_swarm_failover = _record
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        (self.path.parent / "steps").write_text(str(trainer.global_step))
+        written = self.path.parent / "steps.tmp"
+        written.write_text(str(trainer.global_step))
+        written.replace(self.path.parent / "steps")  # at once: tests read it while training goes on
 
 
 def main() -> None:
