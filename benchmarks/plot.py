@@ -108,6 +108,16 @@ def codec(ax: Axes, rows: list[dict]) -> None:
     ax.set(title="Codecs: encode (solid), decode (dashed)", xlabel="last dimension", ylabel="MB/s of fp32 input")
 
 
+def delayed_updates(ax: Axes, data: dict) -> None:
+    """Synchronous against delayed stage updates, pair by pair (the runs took turns)."""
+    pairs = range(len(data["ratios"]))
+    width = 0.4
+    ax.bar([x - width / 2 for x in pairs], data["synchronous"], width, label="synchronous")
+    ax.bar([x + width / 2 for x in pairs], data["delayed"], width, label="delayed")
+    ax.set_xticks(list(pairs), [f"pair {x}: {r:.2f}x" for x, r in zip(pairs, data["ratios"])])
+    ax.set(title="Delayed updates, 2 peers per stage", ylabel="samples/s")
+
+
 PANELS: dict[str, Callable[[Axes, Any], None]] = {
     "convergence": convergence,
     "convergence_synchronous": convergence,
@@ -115,6 +125,7 @@ PANELS: dict[str, Callable[[Axes, Any], None]] = {
     "baselines": baselines,
     "slow_links": slow_links,
     "codec": codec,
+    "delayed_updates": delayed_updates,
 }
 
 

@@ -70,6 +70,8 @@ def test_convergence_smoke(tmp_path):
 def test_plot(tmp_path):
     curves = {label: {"samples": [16, 32, 48], "val_loss": [3.1, 2.6, 2.4]} for label in ("plain", "swarm, 1 trainer")}
     (tmp_path / "convergence.json").write_text(json.dumps({"d_model": 32, "curves": curves}))
+    delayed = {"synchronous": [10.0, 11.0], "delayed": [12.0, 11.5], "ratios": [1.2, 11.5 / 11.0]}
+    (tmp_path / "delayed_updates.json").write_text(json.dumps(delayed))
     (tmp_path / "swarm_throughput.json").write_text("{}")  # a format it does not expect: left out, with a note
     (tmp_path / "unknown.json").write_text("[]")  # no panel for it: a note
     out = tmp_path / "x.png"
@@ -79,6 +81,7 @@ def test_plot(tmp_path):
     png = out.read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000, result.stdout
     assert "swarm_throughput.json" in result.stdout and "unknown.json" in result.stdout, result.stdout
+    assert "(convergence, delayed_updates)" in result.stdout, result.stdout  # the panels drawn
 
 
 def test_baselines_smoke(tmp_path):
