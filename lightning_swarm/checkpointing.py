@@ -13,7 +13,7 @@ import io
 import logging
 import os
 import time
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -74,10 +74,10 @@ def find_latest(node: SwarmNode, run_id: str) -> Optional[dict]:
 
 
 def stage_state(
-    state_dict: dict[str, torch.Tensor], pipeline_name: str, span: partitioning.StageSpan, keys: Iterable[str]
+    state_dict: dict[str, torch.Tensor], pipeline_name: str, span: partitioning.StageSpan, stage: torch.nn.Module
 ) -> dict[str, torch.Tensor]:
-    """A stage's state dict (stage-local ``keys``) cut from the whole model's."""
-    return {k: state_dict[partitioning.stage_state_key(pipeline_name, span, k)] for k in keys}
+    """The state dict of ``stage`` (its own keys) cut from the whole model's."""
+    return {k: state_dict[partitioning.stage_state_key(pipeline_name, span, k)] for k in stage.state_dict()}
 
 
 def optimizer_state(state: dict[str, Any]) -> dict[str, Any]:

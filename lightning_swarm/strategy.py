@@ -414,7 +414,7 @@ class SwarmStrategy(Strategy):
         module.load_state_dict({k: v for k, v in state.items() if not k.startswith(prefix)}, strict=False)
         if self._stage_module is not None:
             span = self._spans[self.served_stage]
-            stage_state = checkpointing.stage_state(state, self._pipeline_name, span, self._stage_module.state_dict())
+            stage_state = checkpointing.stage_state(state, self._pipeline_name, span, self._stage_module)
             with self.server.lock if self.server is not None else contextlib.nullcontext():
                 self._stage_module.load_state_dict(stage_state, strict=strict)
 
@@ -439,8 +439,8 @@ class SwarmStrategy(Strategy):
         path = str(found.get("path"))
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            span, keys = self._spans[stage], self._stage_module.state_dict()
-            stage_state = checkpointing.stage_state(checkpoint["state_dict"], self._pipeline_name, span, keys)
+            state, span = checkpoint["state_dict"], self._spans[stage]
+            stage_state = checkpointing.stage_state(state, self._pipeline_name, span, self._stage_module)
         except Exception as e:
             log.warning("Stage %d has no live peer and could not be restored from checkpoint %s: %r", stage, path, e)
             return
