@@ -21,7 +21,7 @@ class SwarmCallback(Callback):
     """Base class for callbacks that react to swarm events."""
 
     def on_swarm_peer_joined(self, trainer: Trainer, pl_module: LightningModule, event: PeerJoined) -> None:
-        """A peer started serving a stage (or, with ``event.stage`` None, driving batches)."""
+        """A peer appeared at a stage (still downloading it, maybe) or, with ``event.stage`` None, to drive batches."""
 
     def on_swarm_peer_left(self, trainer: Trainer, pl_module: LightningModule, event: PeerLeft) -> None:
         """A peer left the swarm: it said so, or its record expired."""

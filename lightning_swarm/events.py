@@ -16,7 +16,8 @@ from typing import Optional, Union
 
 @dataclass(frozen=True)
 class PeerJoined:
-    """A peer started serving ``stage`` (None: a peer that only drives batches)."""
+    """A peer appeared at ``stage`` (None: a peer that only drives batches); it may still be downloading the
+    stage's state before it serves."""
 
     peer_id: str
     stage: Optional[int]

@@ -35,11 +35,13 @@ def events_of(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def wait_for(what: str, condition, peer, timeout: float):
+def wait_for(what: str, condition, peer, timeout: float, also=()):
+    """Poll ``condition`` until it returns something true; fail with the logs of ``peer`` and ``also``."""
     deadline = time.monotonic() + timeout
     while not (found := condition()):
-        assert peer.alive(), f"the recording peer died waiting for {what}:\n{peer.log()[-3000:]}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s:\n{peer.log()[-3000:]}"
+        logs = "\n".join(f"---- {p.name}:\n{p.log()[-3000:]}" for p in [peer, *also])
+        assert peer.alive(), f"{peer.name} died waiting for {what}:\n{logs}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s:\n{logs}"
         time.sleep(0.5)
     return found
 
@@ -50,9 +52,10 @@ def test_callbacks_receive_every_event_type(swarm, tmp_path):
     leaves with SIGTERM."""
     out = tmp_path / "recorder"
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "8", "SWARM_REBALANCE_PERIOD": "6"}
-    # records outlive a killed peer by up to 6 s: the recorder's router still picks it, and fails over
     env.update(SWARM_BAN_TIMEOUT="5.0", SWARM_REQUEST_TIMEOUT="10.0", SWARM_UPDATE_PERIOD="3.0")
-    serve = {**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"}
+    # a serving peer's record outlives it by up to 2 update periods (12 s): the recorder's router still picks the
+    # killed one in that time, and fails over
+    serve = {**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1", "SWARM_UPDATE_PERIOD": "6.0"}
     swarm.start("x", SMALL_GPT, env=serve)
     # the recorder stays at stage 0 (it does not rebalance itself), so that it calls stage 1 over the network
     recorder_env = {**env, "SWARM_STAGE": "0", "SWARM_REBALANCE_PERIOD": "0"}
@@ -73,10 +76,14 @@ def test_callbacks_receive_every_event_type(swarm, tmp_path):
     assert mover in "xyz" and moved[0]["predicted_gain"] is None  # seen from the recorder, not planned by it
 
     victim = next(name for name in "yzx" if name not in movers)
+    # PeerJoined comes while a peer still downloads its stage: kill it once it serves (routers pick only those),
+    # and the recorder's router re-read the records (every 2 s)
+    serving = lambda: "Serving stage 1" in swarm.peers[victim].log()  # noqa: E731
+    wait_for(f"{victim} serving", serving, recorder, 60, also=[swarm.peers[victim]])
+    time.sleep(3)
     swarm.signal(victim, signal.SIGKILL)
-    failover = wait_for(
-        "a failover", event("Failover", stage=1, failed_peer=peer_id(swarm.peers[victim])), recorder, 60
-    )
+    failed_over = event("Failover", stage=1, failed_peer=peer_id(swarm.peers[victim]))
+    failover = wait_for("a failover", failed_over, recorder, 60, also=[swarm.peers[victim]])
     wait_for("the killed peer's record expiring", event("PeerLeft", peer_id=peer_id(swarm.peers[victim])), recorder, 30)
     assert names[failover[0]["retried_on"]] not in (victim, "r")
 
