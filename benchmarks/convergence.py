@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -34,50 +33,12 @@ from typing import Callable
 import numpy
 
 ROOT = Path(__file__).resolve().parents[1]
-GPT = str(ROOT / "examples" / "gpt.py")
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
-from swarm_throughput import model_args, plain  # noqa: E402
+from swarm_throughput import STAGES, model_args, plain, train_on_swarm  # noqa: E402
 
-from lightning_swarm.launch import LocalSwarm  # noqa: E402
-
-STAGES = 2
 TARGET_GAP = 0.03
-PEER_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "HIVEMIND_LOGLEVEL": "ERROR",
-    "PYTHONWARNINGS": "ignore",
-    "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_descriptor",
-}
-SWARM = {
-    "SWARM_NUM_STAGES": str(STAGES),
-    "SWARM_COMPRESSION": "8bit",
-    "SWARM_MATCHMAKING_TIME": "1.0",
-    "SWARM_AVERAGING_TIMEOUT": "5.0",
-    "SWARM_UPDATE_PERIOD": "2.0",
-    "SWARM_LINGER": "0",
-}
-
-
-def swarm(
-    args: list[str], work: Path, run_id: str, trainers: list[list[str]], target: int, delayed: bool
-) -> list[dict]:
-    """Train on a 2-stage swarm: one serve-only peer per stage and one drive-only trainer per entry of ``trainers``
-    (that trainer's extra arguments), stepping every ``target`` samples. Returns each trainer's history."""
-    env = {**SWARM, "SWARM_TARGET_BATCH_SIZE": str(target), "SWARM_DELAYED_UPDATES": str(int(delayed))}
-    paths = [work / f"{run_id}_trainer{i}.json" for i in range(len(trainers))]
-    with LocalSwarm([GPT], work / run_id, run_id=run_id, env=PEER_ENV) as local:
-        for stage in range(STAGES):
-            local.start(f"stage{stage}", args, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": str(stage)})
-        for i, (extra, path) in enumerate(zip(trainers, paths)):
-            local.start(f"trainer{i}", [*args, *extra, "--history", str(path)], env={**env, "SWARM_ROLE": "drive"})
-        for i in range(len(trainers)):
-            if (code := local.wait(f"trainer{i}", timeout=1800)) != 0:
-                logs = "".join(f"\n---- {peer.name}:\n{peer.log()[-2000:]}" for peer in local.peers.values())
-                raise RuntimeError(f"trainer{i} of {run_id} exited with {code}; the peers' logs end with:{logs}")
-    return [json.loads(path.read_text()) for path in paths]
 
 
 def curve(history: dict, val_every: int, samples: Callable[[int], int]) -> dict:
@@ -133,12 +94,13 @@ def main() -> None:
         work = Path(tmp)
         runs["plain"] = curve(plain(args(batch, a.val_batches), work), a.val_every, in_steps)
         report_progress("plain", runs["plain"])
-        (history,) = swarm(args(batch, a.val_batches), work, "conv1", [["--data-seed", "0"]], batch, not a.synchronous)
+        env = {"SWARM_TARGET_BATCH_SIZE": str(batch), "SWARM_DELAYED_UPDATES": str(not a.synchronous)}
+        (history,), _ = train_on_swarm(args(batch, a.val_batches), work, "conv1", env, [["--data-seed", "0"]])
         runs["swarm, 1 trainer"] = curve(history, a.val_every, in_steps)
         report_progress("swarm, 1 trainer", runs["swarm, 1 trainer"])
         # the data-seed-0 trainer starts last, to end near the end of the run
         trainers = [["--data-seed", "1"], ["--data-seed", "0"]]
-        histories = swarm(args(half, 2 * a.val_batches), work, "conv2", trainers, batch, not a.synchronous)
+        histories, _ = train_on_swarm(args(half, 2 * a.val_batches), work, "conv2", env, trainers)
 
         def in_swarm(step: int) -> int:
             """Samples both trainers had trained on when the last one ended its step ``step``."""

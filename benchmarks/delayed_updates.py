@@ -14,7 +14,6 @@ run on this machine (loopback).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -24,36 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
-from swarm_throughput import GPT, ONE_THREAD, STAGES, SWARM, model_args, steady_throughput  # noqa: E402
-
-from lightning_swarm.launch import LocalSwarm  # noqa: E402
+from swarm_throughput import STAGES, SWARM, model_args, steady_throughput, train_on_swarm  # noqa: E402
 
 PEERS_PER_STAGE = 2
 TRAINERS = 2
-
-
-def swarm(args: list[str], work: Path, run_id: str, delayed: bool, microbatches: int, target: int) -> list[dict]:
-    """Train with two peers per stage and two trainers; returns each trainer's history."""
-    env = {
-        **SWARM,
-        "SWARM_DELAYED_UPDATES": str(delayed),
-        "SWARM_MICROBATCHES": str(microbatches),
-        "SWARM_TARGET_BATCH_SIZE": str(target),
-        "SWARM_REBALANCE_PERIOD": "0",
-    }
-    paths = [work / f"{run_id}_trainer{i}.json" for i in range(TRAINERS)]
-    with LocalSwarm([GPT], work / run_id, run_id=run_id, env=ONE_THREAD) as local:
-        for stage in range(STAGES):
-            for k in range(PEERS_PER_STAGE):
-                serve = {**env, "SWARM_ROLE": "serve", "SWARM_STAGE": str(stage)}
-                local.start(f"stage{stage}_{k}", args, env=serve)
-        for i, path in enumerate(paths):
-            extra = ["--data-seed", str(i), "--history", str(path)]
-            local.start(f"trainer{i}", [*args, *extra], env={**env, "SWARM_ROLE": "drive"})
-        for i in range(TRAINERS):
-            if local.wait(f"trainer{i}", timeout=1200) != 0:
-                raise RuntimeError(local.peers[f"trainer{i}"].log()[-3000:])
-    return [json.loads(path.read_text()) for path in paths]
 
 
 def main() -> None:
@@ -75,7 +48,14 @@ def main() -> None:
         for repeat in range(a.repeats):
             for label in runs:
                 run_id = f"dpu{repeat}_{label}"
-                histories = swarm(args, Path(tmp), run_id, label == "delayed", a.microbatches, target)
+                env = {
+                    "SWARM_DELAYED_UPDATES": str(label == "delayed"),
+                    "SWARM_MICROBATCHES": str(a.microbatches),
+                    "SWARM_TARGET_BATCH_SIZE": str(target),
+                    "SWARM_REBALANCE_PERIOD": "0",
+                }
+                trainers = [["--data-seed", str(i)] for i in range(TRAINERS)]
+                histories, _ = train_on_swarm(args, Path(tmp), run_id, env, trainers, PEERS_PER_STAGE)
                 runs[label].append(sum(steady_throughput(h) for h in histories))
                 print(f"{label:12s} run {repeat}: {runs[label][-1]:.1f} samples/s", flush=True)
     ratios = [d / s for s, d in zip(runs["synchronous"], runs["delayed"])]

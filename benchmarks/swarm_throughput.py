@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -79,20 +79,46 @@ def plain(args: list[str], work: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def swarm(
-    args: list[str], work: Path, run_id: str, delayed: bool, microbatches: int, env: Optional[dict] = None
-) -> dict:
-    """Train with a 2-stage swarm; the trainer's history, plus each stage peer's peak RSS (``stage_peak_rss``)."""
-    out = work / f"{run_id}.json"
-    env = {**SWARM, "SWARM_DELAYED_UPDATES": str(delayed), "SWARM_MICROBATCHES": str(microbatches), **(env or {})}
-    with LocalSwarm([GPT], work / run_id, run_id=run_id, env=ONE_THREAD) as local:
-        for stage in range(STAGES):
-            local.start(f"stage{stage}", args, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": str(stage)})
-        local.start("trainer", [*args, "--history", str(out)], env={**env, "SWARM_ROLE": "drive"})
-        if local.wait("trainer", timeout=900) != 0:
-            raise RuntimeError(local.peers["trainer"].log()[-3000:])
-        peaks = [peak_rss(local.peers[f"stage{stage}"].process.pid) for stage in range(STAGES)]
-    return {**json.loads(out.read_text()), "stage_peak_rss": peaks}
+def train_on_swarm(
+    args: list[str],
+    work: Path,
+    run_id: str,
+    env: dict,
+    trainers: Sequence[Sequence[str]] = ((),),
+    per_stage: int = 1,
+    timeout: float = 1800.0,
+) -> tuple[list[dict], list[int]]:
+    """Train examples/gpt.py (``args``) on a 2-stage swarm configured by ``SWARM`` and ``env``: ``per_stage``
+    serve-only peers per stage and one drive-only trainer per entry of ``trainers`` (its extra arguments). The
+    serve peers and the first trainer start together (it waits for the stages), the other trainers one after the
+    other. Returns each trainer's history, and each serve peer's peak RSS."""
+    paths = [work / f"{run_id}_trainer{i}.json" for i in range(len(trainers))]
+    with LocalSwarm([GPT], work / run_id, run_id=run_id, env={**ONE_THREAD, **SWARM, **env}) as local:
+        serve = {
+            f"stage{stage}_{k}": (args, {"SWARM_ROLE": "serve", "SWARM_STAGE": str(stage)})
+            for stage in range(STAGES)
+            for k in range(per_stage)
+        }
+        drive = [
+            ([*args, *extra, "--history", str(path)], {"SWARM_ROLE": "drive"}) for extra, path in zip(trainers, paths)
+        ]
+        local.start_together({**serve, "trainer0": drive[0]})
+        for i, (trainer_args, trainer_env) in enumerate(drive[1:], start=1):
+            local.start(f"trainer{i}", trainer_args, trainer_env)
+        for i in range(len(trainers)):
+            if (code := local.wait(f"trainer{i}", timeout=timeout)) != 0:
+                logs = "".join(f"\n---- {peer.name}:\n{peer.log()[-2000:]}" for peer in local.peers.values())
+                raise RuntimeError(f"trainer{i} of {run_id} exited with {code}; the peers' logs end with:{logs}")
+        peaks = [peak_rss(local.peers[name].process.pid) for name in serve]
+    return [json.loads(path.read_text()) for path in paths], peaks
+
+
+def swarm(args: list[str], work: Path, run_id: str, delayed: bool, microbatches: int) -> dict:
+    """Train with one serve-only peer per stage and one trainer; its history, plus the stage peers' peak RSS
+    (``stage_peak_rss``)."""
+    env = {"SWARM_DELAYED_UPDATES": str(delayed), "SWARM_MICROBATCHES": str(microbatches)}
+    (history,), peaks = train_on_swarm(args, work, run_id, env)
+    return {**history, "stage_peak_rss": peaks}
 
 
 def peak_rss(pid: int) -> int:

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -90,6 +91,17 @@ class LocalSwarm:
                 raise TimeoutError(f"peer {name} did not join within {wait:.0f}s:\n{peer.log()[-3000:]}")
             time.sleep(0.2)
         return peer
+
+    def start_together(self, peers: dict[str, tuple[Sequence[str], Optional[dict]]], wait: float = 120.0) -> list[Peer]:
+        """Start several peers at once, ``name: (args, env)`` each as ``start`` does, and wait until all are
+        reachable. In an empty swarm the first one starts alone: it creates the swarm that the others join."""
+        pending = list(peers.items())
+        if not self.initial_peers():
+            name, (args, env) = pending.pop(0)
+            self.start(name, args, env, wait)
+        with ThreadPoolExecutor(max(1, len(pending))) as pool:
+            list(pool.map(lambda item: self.start(item[0], *item[1], wait=wait), pending))
+        return [self.peers[name] for name in peers]
 
     def initial_peers(self) -> list[str]:
         """The addresses of every live peer: a newcomer bootstraps through whichever answers."""

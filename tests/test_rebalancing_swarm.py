@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from raw_client import RawClient, bytes_of, wait_until_serving
 from test_swarm import FAST, history
@@ -41,9 +40,8 @@ def test_skewed_swarm_rebalances_and_movers_serve_their_new_stage_exactly(swarm,
     env = {**FAST, "SWARM_NUM_STAGES": "3", "SWARM_COMPRESSION": "none", "SWARM_TARGET_BATCH_SIZE": "8"}
     env.update(SWARM_REBALANCE_PERIOD=str(PERIOD), SWARM_ROLE="serve")
     names = {"e": 1, "f": 2, "a": 0, "b": 0, "c": 0, "d": 0}
-    swarm.start("e", THREE_BLOCKS, env={**env, "SWARM_STAGE": "1"})
-    with ThreadPoolExecutor(5) as pool:  # together, within a newcomer's cool-down: nobody moves before 4/1/1
-        list(pool.map(lambda n: swarm.start(n, THREE_BLOCKS, env={**env, "SWARM_STAGE": str(names[n])}), "fabcd"))
+    # together, within a newcomer's cool-down: nobody moves before 4/1/1
+    swarm.start_together({name: (THREE_BLOCKS, {**env, "SWARM_STAGE": str(stage)}) for name, stage in names.items()})
     ids = {peer_id(swarm.peers[name]): name for name in names}
     node = SwarmNode(initial_peers=swarm.peers["e"].addresses()).start()
     try:

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -106,17 +105,17 @@ def test_four_peers_two_stages_loss_falls(swarm, tmp_path):
     steps = 40
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "16"}
 
-    def start(i: int) -> None:
-        args = ["--max-steps", str(steps), "--data-seed", str(i), "--lr", "1e-2"]
-        swarm.start(
-            f"peer{i}",
-            [*SMALL_GPT, *args, "--history", str(tmp_path / f"peer{i}.json")],
-            env={**env, "SWARM_STAGE": str(i % 2)},
-        )
-
-    start(0)
-    with ThreadPoolExecutor(3) as pool:  # together: started one by one, the first two could be done before the last
-        list(pool.map(start, range(1, 4)))
+    args = [*SMALL_GPT, "--max-steps", str(steps), "--lr", "1e-2"]
+    # together: started one by one, the first two could be done before the last
+    swarm.start_together(
+        {
+            f"peer{i}": (
+                [*args, "--data-seed", str(i), "--history", str(tmp_path / f"peer{i}.json")],
+                {**env, "SWARM_STAGE": str(i % 2)},
+            )
+            for i in range(4)
+        }
+    )
     for i in range(4):
         assert swarm.wait(f"peer{i}", timeout=400) == 0, swarm.peers[f"peer{i}"].log()[-3000:]
     from gpt import StdlibCorpus
