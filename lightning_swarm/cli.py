@@ -22,6 +22,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import typing
 from collections import Counter
@@ -258,9 +259,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not re.fullmatch(r"[A-Za-z0-9_-]+", args.run_id):
         raise CLIError(f"--run-id {args.run_id!r}: use only letters, digits, '_' and '-'", EXIT_USAGE)
     node = open_node(initial_peers, args.timeout, args.identity_path, args.secret_path)
+    # --watch ends with Ctrl-C after the read in progress: a KeyboardInterrupt raised wherever the main thread is
+    # (inside hivemind's futures, say) can leave a lock held, and then the exit hangs
+    interrupted = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set()) if args.watch else None
     try:
         shown = False
-        while True:
+        while not interrupted.is_set():
             try:
                 status = _read_or_explain(node, args)
             except CLIError as e:
@@ -279,12 +284,14 @@ def cmd_status(args: argparse.Namespace) -> int:
                         print(f"lightning-swarm: {message}", file=sys.stderr)
                         return EXIT_NOT_FOUND
                     return 0
-            time.sleep(args.watch)
+            if interrupted.wait(args.watch):
+                break
             if not sys.stdout.isatty():
                 print(flush=True)
-    except KeyboardInterrupt:
-        return 0 if args.watch else 130  # Ctrl-C is how --watch ends
+        return 0
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         node.shutdown()
 
 

@@ -118,6 +118,8 @@ def test_a_throttled_peer_gets_work_in_proportion_to_its_throughput(swarm, tmp_p
     work_share = calls[slow] / (calls[slow] + calls[fast])
     print(f"throttled peer: {throughput_share:.3f} of the throughput, {work_share:.3f} of the calls ({calls})")
     assert 0.15 < throughput_share < 0.35  # the throttle took effect
-    picks = calls[slow] + calls[fast]  # each a random choice: its share is binomial around the throughput share
+    # each microbatch's forward is a random choice (its share is binomial around the throughput share), and its
+    # backward goes where the forward went: half the calls are picks
+    picks = (calls[slow] + calls[fast]) / 2
     spread = 3 * math.sqrt(throughput_share * (1 - throughput_share) / picks)
     assert abs(work_share - throughput_share) <= spread < 0.5 - throughput_share
