@@ -8,7 +8,7 @@ both trainers' samples/s together over the second half of their steps. Each proc
 run on this machine (loopback).
 
     python benchmarks/delayed_updates.py            # writes benchmarks/RESULTS.md
-    python benchmarks/delayed_updates.py --smoke    # a short check that the script works
+    python benchmarks/delayed_updates.py --smoke    # a short check that the script works (one peer per stage)
 """
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
 from swarm_throughput import STAGES, SWARM, model_args, steady_throughput, train_on_swarm  # noqa: E402
 
-PEERS_PER_STAGE = 2
-TRAINERS = 2
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -37,12 +34,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="each trainer's batch")
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="pairs of runs (synchronous, then delayed)")
+    parser.add_argument("--peers-per-stage", type=int, default=2, help="serve-only peers per stage")
+    parser.add_argument("--trainers", type=int, default=2, help="drive-only trainers")
     parser.add_argument("--out", default=str(RESULTS))
     a = parser.parse_args()
     if a.smoke:
-        a.d_model, a.steps, a.repeats = 32, 6, 1
+        a.d_model, a.steps, a.repeats, a.peers_per_stage, a.trainers = 32, 6, 1, 1, 1  # the script's path, cheaply
     args = model_args(a.d_model, a.steps, a.batch_size, 64)
-    target = TRAINERS * a.batch_size
+    target = a.trainers * a.batch_size
     runs: dict[str, list[float]] = {"synchronous": [], "delayed": []}
     with tempfile.TemporaryDirectory(prefix="delayed_") as tmp:
         for repeat in range(a.repeats):
@@ -54,8 +53,8 @@ def main() -> None:
                     "SWARM_TARGET_BATCH_SIZE": str(target),
                     "SWARM_REBALANCE_PERIOD": "0",
                 }
-                trainers = [["--data-seed", str(i)] for i in range(TRAINERS)]
-                histories, _ = train_on_swarm(args, Path(tmp), run_id, env, trainers, PEERS_PER_STAGE)
+                trainers = [["--data-seed", str(i)] for i in range(a.trainers)]
+                histories, _ = train_on_swarm(args, Path(tmp), run_id, env, trainers, a.peers_per_stage)
                 runs[label].append(sum(steady_throughput(h) for h in histories))
                 print(f"{label:12s} run {repeat}: {runs[label][-1]:.1f} samples/s", flush=True)
     ratios = [d / s for s, d in zip(runs["synchronous"], runs["delayed"])]
@@ -63,8 +62,8 @@ def main() -> None:
         "## Delayed updates with two peers per stage",
         "",
         f"`python benchmarks/delayed_updates.py`{' --smoke' if a.smoke else ''}, {machine()}; GPT with 4 blocks, "
-        f"d_model {a.d_model}, {STAGES} stages of {PEERS_PER_STAGE} serve-only peers, {TRAINERS} drive-only trainers "
-        f"of batch {a.batch_size} in {a.microbatches} microbatches, {a.steps} steps each, target batch size "
+        f"d_model {a.d_model}, {STAGES} stages of {a.peers_per_stage} serve-only peers, {a.trainers} drive-only "
+        f"trainers of batch {a.batch_size} in {a.microbatches} microbatches, {a.steps} steps each, target batch size "
         f"{target}, 8-bit compression, matchmaking time {SWARM['SWARM_MATCHMAKING_TIME']} s; one torch thread per "
         "process, all on this machine (loopback). Runs take turns: synchronous, delayed, synchronous, ...",
         "",
