@@ -60,20 +60,21 @@ def main() -> None:
     print(f"Starting {args.peers} peers serving {args.stages} stages (logs in {workdir})")
     start = time.time()
     with LocalSwarm([GPT], workdir, run_id="demo", env=env) as swarm:
-        stages = [(0 if i else args.stages - 1) if args.skewed else i % args.stages for i in range(args.peers)]
-        model = [*args.model.split(), "--max-steps", str(args.steps)]
-        swarm.start_together(
-            {
-                name: (
-                    [*model, "--data-seed", str(i), "--history", str(histories[name])],
-                    {"SWARM_STAGE": str(stages[i]), "SWARM_THROTTLE": "3" if i < args.slow else "1"},
-                )
-                for i, name in enumerate(names)
-            }
-        )
         for i, name in enumerate(names):
+            peer_args = [
+                *args.model.split(),
+                "--max-steps",
+                str(args.steps),
+                "--data-seed",
+                str(i),
+                "--history",
+                str(histories[name]),
+            ]
+            stage = (0 if i else args.stages - 1) if args.skewed else i % args.stages
+            throttle = "3" if i < args.slow else "1"
+            swarm.start(name, peer_args, env={"SWARM_STAGE": str(stage), "SWARM_THROTTLE": throttle})
             slow = ", at a third of its speed" if i < args.slow else ""
-            print(f"  {name} joined stage {stages[i]}{slow} as {swarm.peers[name].addresses()[0]}")
+            print(f"  {name} joined stage {stage}{slow} as {swarm.peers[name].addresses()[0]}")
         while any(peer.alive() for peer in swarm.peers.values()):
             time.sleep(5)
             runs = [read(histories[name]) for name in names]
