@@ -89,22 +89,15 @@ def train_on_swarm(
     timeout: float = 1800.0,
 ) -> tuple[list[dict], list[int]]:
     """Train examples/gpt.py (``args``) on a 2-stage swarm configured by ``SWARM`` and ``env``: ``per_stage``
-    serve-only peers per stage and one drive-only trainer per entry of ``trainers`` (its extra arguments). The
-    serve peers and the first trainer start together (it waits for the stages), the other trainers one after the
-    other. Returns each trainer's history, and each serve peer's peak RSS."""
+    serve-only peers per stage, then one drive-only trainer per entry of ``trainers`` (its extra arguments), started
+    one after the other, as users would. Returns each trainer's history, and each serve peer's peak RSS."""
     paths = [work / f"{run_id}_trainer{i}.json" for i in range(len(trainers))]
+    serve = {f"stage{stage}_{k}": stage for stage in range(STAGES) for k in range(per_stage)}
     with LocalSwarm([GPT], work / run_id, run_id=run_id, env={**ONE_THREAD, **SWARM, **env}) as local:
-        serve = {
-            f"stage{stage}_{k}": (args, {"SWARM_ROLE": "serve", "SWARM_STAGE": str(stage)})
-            for stage in range(STAGES)
-            for k in range(per_stage)
-        }
-        drive = [
-            ([*args, *extra, "--history", str(path)], {"SWARM_ROLE": "drive"}) for extra, path in zip(trainers, paths)
-        ]
-        local.start_together({**serve, "trainer0": drive[0]})
-        for i, (trainer_args, trainer_env) in enumerate(drive[1:], start=1):
-            local.start(f"trainer{i}", trainer_args, trainer_env)
+        for name, stage in serve.items():
+            local.start(name, args, env={"SWARM_ROLE": "serve", "SWARM_STAGE": str(stage)})
+        for i, (extra, path) in enumerate(zip(trainers, paths)):
+            local.start(f"trainer{i}", [*args, *extra, "--history", str(path)], env={"SWARM_ROLE": "drive"})
         for i in range(len(trainers)):
             if (code := local.wait(f"trainer{i}", timeout=timeout)) != 0:
                 logs = "".join(f"\n---- {peer.name}:\n{peer.log()[-2000:]}" for peer in local.peers.values())
