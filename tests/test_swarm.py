@@ -102,7 +102,7 @@ def test_exact_against_single_process(swarm, tmp_path, microbatches):
 
 def test_four_peers_two_stages_loss_falls(swarm, tmp_path):
     """Four peers (each serving a stage and training on its own data) with 8-bit compression: the loss falls."""
-    steps = 40
+    steps = 30
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "16"}
 
     args = [*SMALL_GPT, "--max-steps", str(steps), "--lr", "1e-2"]
