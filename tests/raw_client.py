@@ -32,12 +32,14 @@ class RawClient:
         self.uid = stage_uid(run_id, stage)
         self.stub = StageServer.get_stub(node.p2p, self.peer_id, namespace=run_id)
 
-    def call(self, method: str, tensors: list, metadata=NONE_META, uid: str | None = None) -> list[torch.Tensor]:
+    def call(
+        self, method: str, tensors: list, metadata=NONE_META, uid: str | None = None, timeout: float = TIMEOUT
+    ) -> list[torch.Tensor]:
         raw_metadata = metadata if isinstance(metadata, bytes) else protocol.encode_metadata(metadata)
         request = runtime_pb2.ExpertRequest(
             uid=self.uid if uid is None else uid, tensors=tensors, metadata=raw_metadata
         )
-        response = self.node.run(getattr(self.stub, f"rpc_{method}")(request, timeout=TIMEOUT), TIMEOUT + 5)
+        response = self.node.run(getattr(self.stub, f"rpc_{method}")(request, timeout=timeout), timeout + 5)
         return [compression.deserialize(t) for t in response.tensors]
 
     def call_like_a_router(self, method: str, tensors: list) -> list[torch.Tensor]:
