@@ -42,19 +42,19 @@ def main() -> None:
         a.d_model, a.steps, a.repeats, a.peers_per_stage, a.trainers = 32, 6, 1, 1, 1  # the script's path, cheaply
     args = model_args(a.d_model, a.steps, a.batch_size, 64)
     target = a.trainers * a.batch_size
+    env = {
+        "SWARM_MICROBATCHES": str(a.microbatches),
+        "SWARM_TARGET_BATCH_SIZE": str(target),
+        "SWARM_REBALANCE_PERIOD": "0",
+    }
+    trainers = [["--data-seed", str(i)] for i in range(a.trainers)]
     runs: dict[str, list[float]] = {"synchronous": [], "delayed": []}
     with tempfile.TemporaryDirectory(prefix="delayed_") as tmp:
         for repeat in range(a.repeats):
             for label in runs:
+                run_env = {**env, "SWARM_DELAYED_UPDATES": str(label == "delayed")}
                 run_id = f"dpu{repeat}_{label}"
-                env = {
-                    "SWARM_DELAYED_UPDATES": str(label == "delayed"),
-                    "SWARM_MICROBATCHES": str(a.microbatches),
-                    "SWARM_TARGET_BATCH_SIZE": str(target),
-                    "SWARM_REBALANCE_PERIOD": "0",
-                }
-                trainers = [["--data-seed", str(i)] for i in range(a.trainers)]
-                histories, _ = train_on_swarm(args, Path(tmp), run_id, env, trainers, a.peers_per_stage)
+                histories, _ = train_on_swarm(args, Path(tmp), run_id, run_env, trainers, a.peers_per_stage)
                 runs[label].append(sum(steady_throughput(h) for h in histories))
                 print(f"{label:12s} run {repeat}: {runs[label][-1]:.1f} samples/s", flush=True)
     ratios = [d / s for s, d in zip(runs["synchronous"], runs["delayed"])]
