@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import warnings
+from types import ModuleType
 from typing import Literal, Union
 
 import numpy as np
@@ -153,31 +155,42 @@ def _owned(tensor: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
     return tensor.clone() if tensor is view else tensor
 
 
+_IMPORT_LOCK = threading.Lock()
+
+
+def _bitsandbytes() -> ModuleType:
+    """``bitsandbytes.functional``, once the whole package has loaded.
+
+    Several threads code tensors at once. Without the lock, a thread's ``from bitsandbytes.functional import ...``
+    could return while another thread is still importing the package, before it registered its CPU kernels, and
+    the call failed ("Could not run 'bitsandbytes::quantize_blockwise' with arguments from the 'CPU' backend").
+    """
+    with _IMPORT_LOCK:
+        import bitsandbytes.functional
+
+    return bitsandbytes.functional
+
+
 @functools.cache
 def _code_table(device: torch.device) -> torch.Tensor:
     """bitsandbytes' signed dynamic 8-bit code (256 sorted values in [-1, 1]), kept on ``device``."""
-    from bitsandbytes.functional import create_dynamic_map
-
-    return create_dynamic_map(signed=True).to(device)
+    return _bitsandbytes().create_dynamic_map(signed=True).to(device)
 
 
 def _quantize(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 codes and fp32 absmax per block, computed on the tensor's device."""
-    from bitsandbytes.functional import quantize_blockwise
-
     if tensor.numel() == 0:  # bitsandbytes' CUDA kernel cannot be launched on zero blocks
         return tensor.new_empty(tensor.shape, dtype=torch.uint8), tensor.new_empty(0, dtype=torch.float32)
     if tensor.dtype not in _QUANTIZABLE:
         tensor = tensor.float()
-    codes, state = quantize_blockwise(tensor, code=_code_table(tensor.device), blocksize=BLOCK_SIZE)
+    codes, state = _bitsandbytes().quantize_blockwise(tensor, code=_code_table(tensor.device), blocksize=BLOCK_SIZE)
     return codes, state.absmax.float()
 
 
 def _dequantize(codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    from bitsandbytes.functional import QuantState, dequantize_blockwise
-
     if codes.numel() == 0:
         return torch.empty(codes.shape, dtype=dtype, device=codes.device)
     decoded_dtype = dtype if dtype in _QUANTIZABLE else torch.float32
-    state = QuantState(absmax=absmax, code=_code_table(codes.device), blocksize=BLOCK_SIZE, dtype=decoded_dtype)
-    return dequantize_blockwise(codes, state).to(dtype)
+    bnb = _bitsandbytes()
+    state = bnb.QuantState(absmax=absmax, code=_code_table(codes.device), blocksize=BLOCK_SIZE, dtype=decoded_dtype)
+    return bnb.dequantize_blockwise(codes, state).to(dtype)

@@ -17,8 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-# the kernel list a torch dispatcher error ends with: hundreds of lines that push the error out of a log's tail
-_KERNEL_LISTING = re.compile(r"^\w+: (fallthrough )?registered at \S+ \[.*\]\n", re.MULTILINE)
+# the kernel list a torch dispatcher error ends with: hundreds of lines that push the error out of a log's tail,
+# printed one per line, or escaped inside the repr of an error another peer sent back
+_KERNEL_LISTING = re.compile(
+    r"(?:^|(?<=\\n))\w+: (?:fallthrough )?registered at \S+ \[[^\]\n]*\](?:\n|\\n)", re.MULTILINE
+)
 
 
 @dataclass

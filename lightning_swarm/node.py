@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from typing import Any, Awaitable, Optional, Sequence, TypeVar
 
 from hivemind.dht import DHT
@@ -48,23 +49,27 @@ class SwarmNode:
         self.daemon_pid: Optional[int] = None  # the p2pd the DHT process started
 
     def start(self, attempts: int = 3) -> SwarmNode:
-        """Start the DHT (retrying a failed bootstrap, which a busy initial peer can cause) and the RPC replica."""
+        """Start the DHT and the RPC replica. A failed join is retried: a busy initial peer can miss the DHT's
+        3-second ping, for instance when many peers join through it at once."""
         for attempt in range(1, attempts + 1):
             try:
                 self.dht = self._create_dht()
                 break
-            except P2PDaemonError as e:
-                if attempt == attempts or not self.initial_peers:
+            except (P2PDaemonError, RuntimeError) as e:
+                bootstrap = "bootstrap failed" in str(e)
+                if not (bootstrap or isinstance(e, P2PDaemonError)) or not self.initial_peers:
                     raise
+                if attempt == attempts:
+                    if not bootstrap:
+                        raise
+                    raise RuntimeError(
+                        f"DHT bootstrap failed: none of the initial peers answered in {attempts} attempts. They may be "
+                        "down, unreachable or overloaded; if it is a private swarm, this peer may be off its allow-list "
+                        "or lack its secret (set allowed_peers/identity_path or secret_path; for the lightning-swarm "
+                        "command, pass --secret-path)"
+                    ) from None
                 log.warning("Could not join the swarm (attempt %d of %d): %s", attempt, attempts, e)
-            except RuntimeError as e:
-                if "bootstrap failed" not in str(e):
-                    raise
-                raise RuntimeError(
-                    "DHT bootstrap failed: none of the initial peers answered. If it is a private swarm, this peer is "
-                    "off its allow-list or lacks its secret (set allowed_peers/identity_path or secret_path; for "
-                    "the lightning-swarm command, pass --secret-path)"
-                ) from None
+                time.sleep(attempt)
         self.p2p = self.run(self.dht.replicate_p2p())
         self.daemon_pid = self.dht.run_coroutine(_daemon_pid, return_future=True).result(timeout=self.timeout)
         return self

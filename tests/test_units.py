@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 
 import lightning as L
@@ -17,6 +19,7 @@ import lightning_swarm
 from lightning_swarm import compression, partitioning, protocol
 from lightning_swarm.client.routing import PeerLoad, StageRouter
 from lightning_swarm.discovery import PeerRecord, PeerState
+from lightning_swarm.launch import Peer
 from lightning_swarm.strategy import SwarmStrategy
 
 
@@ -116,6 +119,45 @@ def test_8bit_messages_survive_streaming_in_chunks():
     assert len(parts) > 1
     (joined,) = protocol.combine(runtime_pb2.Tensor.FromString(p.SerializeToString()) for p in parts)
     assert torch.equal(compression.deserialize(joined), compression.deserialize(message))
+
+
+_CODE_DURING_IMPORT = """
+import sys, threading, torch
+from lightning_swarm import compression
+assert "bitsandbytes" not in sys.modules
+outcome = []
+
+def code():
+    try:
+        compression.deserialize(compression.serialize(torch.randn(4096), "8bit"))
+        outcome.append("ok")
+    except Exception as e:
+        outcome.append(repr(e)[:300])
+
+class CodeWhileImporting:  # a second thread codes just before bitsandbytes registers its CPU kernels
+    def find_spec(self, name, path, target=None):
+        if name == "bitsandbytes.backends.cpu.ops":
+            other = threading.Thread(target=code)
+            other.start()
+            other.join(timeout=2)  # a thread that waits for the whole import would wait forever here
+            threads.append(other)
+
+threads = []
+sys.meta_path.insert(0, CodeWhileImporting())
+code()
+threads[0].join(timeout=60)
+print(outcome)
+"""
+
+
+def test_8bit_coding_in_a_thread_waits_for_another_threads_import_of_bitsandbytes():
+    """The first 8-bit coding imports bitsandbytes; another thread coding meanwhile must wait for the whole package
+    (a CI peer died on "Could not run 'bitsandbytes::quantize_blockwise' with arguments from the 'CPU' backend")."""
+    result = subprocess.run(
+        [sys.executable, "-c", _CODE_DURING_IMPORT], capture_output=True, text=True, timeout=120, start_new_session=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "['ok', 'ok']", result.stdout[-3000:]
 
 
 @pytest.mark.parametrize(
@@ -284,3 +326,13 @@ def test_stochastic_wiring_shares_work_by_throughput_and_load():
     banned = load(1000.0, banned_until=time.monotonic() + 60)
     assert _shares(_router_with({"banned": banned, "ok": load(1.0)}), draws=100) == {"ok": 1.0}
     assert _router_with({"banned": banned}).choose(0, batch=8) is None
+
+
+def test_peer_log_drops_torch_kernel_listings_printed_or_escaped_in_a_remote_error(tmp_path):
+    """A dispatcher error's kernel list (hundreds of lines) must not push the error itself out of a log's tail."""
+    listing = "CPU: registered at /a/b.cpp:1 [kernel]\nAutogradCPU: fallthrough registered at /c.cpp:6 [backend fallback]\n"
+    escaped = listing.replace("\n", "\\n")
+    log = tmp_path / "peer.log"
+    log.write_text(f"Traceback\nNotImplementedError: Could not run 'x::y'.\n{listing}P2PHandlerError('z.\\n{escaped}')\nend\n")
+    peer = Peer("p", None, log, tmp_path / "p.addr")
+    assert peer.log() == "Traceback\nNotImplementedError: Could not run 'x::y'.\nP2PHandlerError('z.\\n')\nend\n"
