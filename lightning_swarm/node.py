@@ -56,20 +56,21 @@ class SwarmNode:
                 self.dht = self._create_dht()
                 break
             except (P2PDaemonError, RuntimeError) as e:
-                bootstrap = "bootstrap failed" in str(e)
-                if not (bootstrap or isinstance(e, P2PDaemonError)) or not self.initial_peers:
+                unanswered = "bootstrap failed" in str(e)
+                if not (unanswered or isinstance(e, P2PDaemonError)) or not self.initial_peers:
                     raise
-                if attempt == attempts:
-                    if not bootstrap:
-                        raise
+                if attempt < attempts:
+                    log.warning("Could not join the swarm (attempt %d of %d): %s", attempt, attempts, e)
+                    time.sleep(attempt)
+                elif unanswered:
                     raise RuntimeError(
-                        f"DHT bootstrap failed: none of the initial peers answered in {attempts} attempts. They may be "
-                        "down, unreachable or overloaded; if it is a private swarm, this peer may be off its allow-list "
-                        "or lack its secret (set allowed_peers/identity_path or secret_path; for the lightning-swarm "
-                        "command, pass --secret-path)"
+                        f"DHT bootstrap failed: none of the initial peers answered ({attempts} attempt(s)). They may "
+                        "be down, unreachable or overloaded; if it is a private swarm, this peer may be off its "
+                        "allow-list or lack its secret (set allowed_peers/identity_path or secret_path; for the "
+                        "lightning-swarm command, pass --secret-path)"
                     ) from None
-                log.warning("Could not join the swarm (attempt %d of %d): %s", attempt, attempts, e)
-                time.sleep(attempt)
+                else:
+                    raise
         self.p2p = self.run(self.dht.replicate_p2p())
         self.daemon_pid = self.dht.run_coroutine(_daemon_pid, return_future=True).result(timeout=self.timeout)
         return self

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Optional
 
 import hivemind
 import torch
+from hivemind.averaging import DecentralizedAverager
 from hivemind.dht import DHT
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
@@ -107,7 +108,19 @@ class CountingProgressTracker(ProgressTracker):
         return super().ready_to_update_epoch or counted >= self.target_batch_size
 
 
-class ConsistentStateAverager(TrainingStateAverager):
+class _NotesDownloads(DecentralizedAverager):
+    """Remembers whether the last download brought a state: ``TrainingStateAverager.load_state_from_peers``, which
+    calls this one, returns nothing either way."""
+
+    downloaded = False
+
+    def load_state_from_peers(self, **kwargs: Any) -> Any:
+        loaded = super().load_state_from_peers(**kwargs)
+        self.downloaded = loaded is not None
+        return loaded
+
+
+class ConsistentStateAverager(TrainingStateAverager, _NotesDownloads):
     """hivemind's state averager, made to hand out a state that matches the epoch it is labelled with.
 
     hivemind raises a peer's epoch when it schedules a step, then runs the step in a background thread (all of it
@@ -206,6 +219,11 @@ class SwarmOptimizer(hivemind.Optimizer):
                 if not self.client_mode:
                     self.grad_averager.state_sharing_priority = self.local_epoch
         return self.local_epoch >= self.tracker.global_epoch
+
+    @property
+    def downloaded(self) -> bool:
+        """Whether the last ``load_state_from_peers`` brought a state from a peer."""
+        return self.state_averager.downloaded
 
     def _should_load_state_from_peers(self) -> bool:
         if self.delay_grad_averaging and self.grad_averager.local_samples_accumulated > 0:

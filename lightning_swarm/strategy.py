@@ -642,16 +642,10 @@ class SwarmStrategy(Strategy):
         self._joining = True
         self._announcer = self._make_announcer()
         self._announcer.start()  # the record stays fresh however long the download below takes
-        live = [
-            p for p in discovery.fetch_stage(self.node, self.run_id, stage).values() if p.state == PeerState.SERVING
-        ]
-        if live and self._stage_optimizer is not None:
-            log.warning("Stage %d is served by %d peer(s): downloading its current state", stage, len(live))
-            with self.server.lock:
-                if not self._stage_optimizer.load_state_from_peers():
-                    log.warning("Stage %d: could not download its state yet; serving will retry before stepping", stage)
-        elif self._stage_optimizer is not None:
-            self._restore_from_latest_checkpoint(stage)
+        if self._stage_optimizer is not None:
+            self._take_stage_state(stage)
+        if self._stop_requested.is_set():
+            return  # told to leave while joining: never announced as serving, so nobody routes here
         self.node.run(self.server.add_p2p_handlers(self.node.p2p, namespace=self.run_id))
         self._joining = False
         self._announcer.announce()
@@ -662,6 +656,34 @@ class SwarmStrategy(Strategy):
             self._spans[stage].start,
             self._spans[stage].end - 1,
         )
+
+    def _take_stage_state(self, stage: int) -> None:
+        """Before serving, download the stage's state from a peer serving it: this peer's blocks are freshly
+        initialised, and must not answer requests for a stage the others have trained. A failed download is
+        retried while the stage has serving peers (for at most join_timeout); a stage without any is restored from
+        the swarm's latest checkpoint, if there is one."""
+        deadline = time.monotonic() + self.join_timeout
+        while True:
+            records = discovery.fetch_stage(self.node, self.run_id, stage).values()
+            live = [record for record in records if record.state == PeerState.SERVING]
+            if not live:
+                self._restore_from_latest_checkpoint(stage)
+                return
+            log.warning("Stage %d is served by %d peer(s): downloading its current state", stage, len(live))
+            with self.server.lock:
+                at_swarm_epoch = self._stage_optimizer.load_state_from_peers()
+            if self._stage_optimizer.downloaded:
+                if not at_swarm_epoch:
+                    log.warning("Stage %d: the state downloaded is behind the swarm's; serving will catch up", stage)
+                return
+            if self._stop_requested.is_set():
+                return  # leaving: the caller does not serve
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"Stage {stage} of run {self.run_id!r}: could not download its state from the {len(live)} peer(s) "
+                    f"serving it within join_timeout={self.join_timeout:g}s; refusing to serve untrained blocks"
+                )
+            time.sleep(1.0)
 
     def _stage_step(self, batch_size: int) -> None:
         """Runs on the stage worker after each backward: accumulate, and step once the stage reached its target."""

@@ -172,7 +172,7 @@ def test_the_guard_is_lifted_when_its_node_shuts_down(tmp_path):
     key = str(tmp_path / "member.key")
     member = SwarmNode(identity_path=key, policy=AccessPolicy.create([create_identity(key)])).start()
     try:
-        with pytest.raises(RuntimeError, match="bootstrap failed: none of the initial peers answered in 3 attempts"):
+        with pytest.raises(RuntimeError, match=r"bootstrap failed: none of the initial peers answered \(3 attempt"):
             SwarmNode(member.visible_maddrs()).start()  # refused every time: busy peers are retried, so are these
     finally:
         member.shutdown()
