@@ -47,6 +47,7 @@ class SwarmNode:
         self.dht: Optional[DHT] = None
         self.p2p: Optional[P2P] = None
         self.daemon_pid: Optional[int] = None  # the p2pd the DHT process started
+        self._stored_until: dict[tuple[str, str], float] = {}  # DHT time each record stored here expires
 
     def start(self, attempts: int = 3) -> SwarmNode:
         """Start the DHT and the RPC replica. A failed join is retried: a busy initial peer can miss the DHT's
@@ -128,8 +129,12 @@ class SwarmNode:
         return value
 
     def dht_store(self, key: str, subkey: str, value: Any, ttl: float, timeout: Optional[float] = None) -> bool:
-        """Store a small record under ``key``/``subkey`` that expires ``ttl`` seconds from now."""
-        future = self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
+        """Store a small record under ``key``/``subkey`` that expires ``ttl`` seconds from now, or just after the
+        record this node stored there before, if that one lasts longer: the DHT keeps the value that expires last,
+        so a shorter-lived store (say, "leaving" after a long-lived "joining") would be dropped."""
+        expiration = max(get_dht_time() + ttl, self._stored_until.get((key, subkey), 0.0) + 0.001)
+        self._stored_until[(key, subkey)] = expiration
+        future = self.dht.store(key, value, expiration, subkey=subkey, return_future=True)
         return bool(future.result(timeout=timeout or self.timeout))
 
     def shutdown(self) -> None:
