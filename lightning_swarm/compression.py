@@ -158,6 +158,7 @@ def _owned(tensor: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
 _IMPORT_LOCK = threading.Lock()
 
 
+@functools.cache  # the hot path then skips the lock
 def _bitsandbytes() -> ModuleType:
     """``bitsandbytes.functional``, once the whole package has loaded.
 
