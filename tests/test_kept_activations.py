@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_swarm import compression, protocol
 from lightning_swarm.errors import ActivationsLostError
+from lightning_swarm.server.kept_activations import Kept, KeptActivations
 from lightning_swarm.server.stage_server import StageServer
 
 
@@ -127,3 +128,15 @@ def test_kept_forwards_are_private_to_their_caller(make_server):
     with pytest.raises(ActivationsLostError):
         asyncio.run(server.answer("backward", request, caller="another peer"))
     assert server.backward_samples == 0 and all(p.grad is None for p in server.params)
+
+
+def test_a_key_put_again_replaces_its_entry_and_its_bytes():
+    kept = KeptActivations(max_bytes=1000, ttl=60.0)
+    entry = Kept(torch.zeros(1), torch.zeros(1), nbytes=25, params_version=0)
+    for _ in range(100):  # any admitted caller can reuse its key: the count must not grow with each put
+        kept.put("k", entry)
+    assert len(kept) == 1 and kept.nbytes == 25 and kept.dropped == 0
+    kept.put("other", entry)
+    assert len(kept) == 2 and kept.nbytes == 50
+    kept.put("k", Kept(torch.zeros(1), torch.zeros(1), nbytes=2000, params_version=0))  # too big: the key is empty
+    assert len(kept) == 1 and kept.nbytes == 25 and kept.pop("k") is None

@@ -43,7 +43,11 @@ class KeptActivations:
         return len(self._entries)
 
     def put(self, key: Hashable, kept: Kept) -> None:
+        """Keep ``kept`` under ``key`` (replacing what the key held), dropping the oldest entries past the cap."""
         with self._lock:
+            replaced = self._entries.pop(key, None)
+            if replaced is not None:
+                self.nbytes -= replaced.nbytes
             if kept.nbytes > self.max_bytes:
                 self.dropped += 1
                 return
