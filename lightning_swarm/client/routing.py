@@ -153,21 +153,21 @@ class StageRouter:
     ) -> tuple[list[runtime_pb2.Tensor], str]:
         """Run ``method`` of ``stage`` on some peer, failing over to others; returns the reply and the peer used.
 
-        Peers that fail count towards ``max_retries``; while the stage has no usable peer at all, this waits for one
-        (up to ``stage_wait_timeout`` seconds) instead.
+        Peers that fail count towards ``max_retries``; while the stage has no usable peer at all, or its peers answer
+        busy (a full queue, out of memory), this waits for one (up to ``stage_wait_timeout`` seconds) instead.
         """
         tried: list[str] = []
         last_error: Optional[BaseException] = None
-        failures, waiting_since, failed_peer = 0, None, None
+        failures, busy, waiting_since, busy_since, failed_peer = 0, 0, None, None, None
         while True:
-            peer = prefer if failures == 0 and waiting_since is None and prefer is not None else None
+            peer = prefer if failures + busy == 0 and waiting_since is None and prefer is not None else None
             peer = peer or self.choose(stage, batch, exclude=frozenset(tried))
             if peer is None:
                 self.refresh(stage, force=True)
                 peer = self.choose(stage, batch, exclude=frozenset(tried))
             if peer is None and tried:
                 # every usable peer was tried: after a pause, those not banned (e.g. busy) may be tried again
-                time.sleep(min(0.5 * 2 ** (failures - 1), 5.0))
+                time.sleep(min(0.5 * 2 ** min(failures + busy - 1, 4), 5.0))
                 tried.clear()
                 peer = self.choose(stage, batch)
             if peer is None:
@@ -182,6 +182,16 @@ class StageRouter:
                 return reply, peer
             except (SwarmRequestError, ActivationsLostError):
                 raise
+            except StageBusyError as e:  # overloaded (queue full, out of memory): the others, then it again, later
+                last_error, failed_peer = e, peer
+                tried.append(peer)
+                busy += 1
+                busy_since = busy_since or time.monotonic()
+                if time.monotonic() - busy_since >= self.stage_wait_timeout:
+                    raise StageUnavailableError(
+                        f"Stage {stage} of run {self.run_id!r}: its peers answered busy for "
+                        f"{self.stage_wait_timeout:g}s (stage_wait_timeout; last answer: {e!r})"
+                    ) from None
             except Exception as e:
                 last_error, failed_peer = e, peer
                 tried.append(peer)

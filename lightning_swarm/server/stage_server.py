@@ -41,6 +41,13 @@ def stage_uid(run_id: str, stage: int) -> str:
     return f"{run_id}.stage{stage}"
 
 
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocator running out of memory (the device's, or a backend's without its own type)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "out of memory" in str(error)
+    )
+
+
 class StageServer(ServicerBase):
     """Serves one stage of one run. Handlers are registered under the run id as namespace.
 
@@ -200,12 +207,14 @@ class StageServer(ServicerBase):
             train = bool(metadata.get("train", True))
             future = self._submit(kind, tensors, train, batch, None if key is None else (str(caller), key))
             output = await asyncio.wrap_future(future)
+            encoded = await loop.run_in_executor(None, compression.serialize, output, codec)
         except (ActivationsLostError, NotServingError):
             raise  # expected when the caller's view is stale: no log line
         except Exception as e:
+            if _out_of_memory(e):  # decoding or encoding: the request's tensors are gone once this frame is
+                raise self._overloaded(kind, repr(e)) from None
             log.warning("Stage %d refused a %s request from %s: %r", self.stage, kind, caller, e)
             raise
-        encoded = await loop.run_in_executor(None, compression.serialize, output, codec)
         return runtime_pb2.ExpertResponse(tensors=[encoded])
 
     def _check_caller(self, context: P2PContext, raw_metadata: Optional[bytes]) -> None:
@@ -268,30 +277,54 @@ class StageServer(ServicerBase):
                 continue
             if task is None:
                 return
-            kind, tensors, train, batch, key, future = task
-            self._queued_samples -= batch
-            self.kept.expire()
-            if not future.set_running_or_notify_cancel():
-                continue
-            start = time.perf_counter()
-            try:
-                with self.lock:
-                    self.module.train(train)
-                    output = self._compute(kind, tensors, key)
-            except (SwarmRequestError, ActivationsLostError) as e:
-                future.set_exception(e)
-                continue
-            except Exception as e:  # a failing module call is the request's fault (shape, content), not ours
+            self._serve(*task)
+            del task  # the request's tensors: not held while the worker waits for the next one
+
+    def _serve(
+        self, kind: str, tensors: list[torch.Tensor], train: bool, batch: int, key: Optional[tuple], future: Future
+    ) -> None:
+        """Compute one request on the worker and answer it (its tensors are freed once this returns)."""
+        self._queued_samples -= batch
+        self.kept.expire()
+        if not future.set_running_or_notify_cancel():
+            return
+        start = time.perf_counter()
+        try:
+            with self.lock:
+                self.module.train(train)
+                output = self._compute(kind, tensors, key)
+        except (SwarmRequestError, ActivationsLostError) as e:
+            future.set_exception(e)
+            return
+        except Exception as e:
+            if not _out_of_memory(e):  # a failing module call is the request's fault (shape, content), not ours
                 future.set_exception(SwarmRequestError(f"stage {self.stage} {kind} failed: {e!r}"))
-                continue
-            if self.throttle > 1:
-                time.sleep((self.throttle - 1) * (time.perf_counter() - start))
-            self.throughput.update(batch, interval=time.perf_counter() - start)  # compute only, not the step below
-            if kind == "backward":
-                self.backward_samples += batch
-            future.set_result(output)  # the caller goes on while the stage optimizer takes its turn
-            if kind == "backward":
-                self._hand_over_gradients(batch)
+                return
+            error = repr(e)  # handled below, once the failed call's frames (and the tensors they hold) are gone
+        else:
+            error = None
+        if error is not None:
+            if key is not None:
+                self.kept.pop(key)  # a forward kept before the failure, or the graph the failed backward used
+            tensors.clear()  # the request's inputs, shared with the handler awaiting the answer
+            future.set_exception(self._overloaded(kind, error))
+            return
+        if self.throttle > 1:
+            time.sleep((self.throttle - 1) * (time.perf_counter() - start))
+        self.throughput.update(batch, interval=time.perf_counter() - start)  # compute only, not the step below
+        if kind == "backward":
+            self.backward_samples += batch
+        future.set_result(output)  # the caller goes on while the stage optimizer takes its turn
+        if kind == "backward":
+            self._hand_over_gradients(batch)
+
+    def _overloaded(self, kind: str, error: str) -> StageBusyError:
+        """The answer to a request that ran out of memory: busy (callers try another peer or wait), after giving
+        the allocator's cached blocks back to the device."""
+        log.warning("Stage %d ran out of memory in a %s request: answered busy (%s)", self.stage, kind, error)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return StageBusyError(f"stage {self.stage} is out of memory: try another peer or later")
 
     def _idle(self) -> None:
         if self.on_idle is None:
@@ -356,8 +389,9 @@ class StageServer(ServicerBase):
             )
         # gradients are computed apart and handed over only once all of them exist: a failure leaves no trace
         grads = torch.autograd.grad(outputs, [inputs, *self.params], grad_outputs.to(self.device), allow_unused=True)
-        for param, grad in zip(self.params, grads[1:]):
-            param.grad = torch.zeros_like(param) if grad is None else grad
+        grads_of_params = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads[1:])]
+        for param, grad in zip(self.params, grads_of_params):
+            param.grad = grad
         return grads[0]
 
     def _hand_over_gradients(self, batch: int) -> None:

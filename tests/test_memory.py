@@ -1,0 +1,176 @@
+"""Bounded memory on a stage server: a request that runs out of memory is answered busy and leaves nothing behind,
+and callers fail over to another peer or recompute there; the kept activations' cap counts what autograd saved.
+
+The out-of-memory errors are real ``torch.OutOfMemoryError`` raised by a block (CUDA raises the same class)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+from torch import nn
+
+from lightning_swarm import compression, discovery, protocol
+from lightning_swarm.client.remote_pipeline import RemotePipeline
+from lightning_swarm.client.routing import PeerLoad, StageRouter
+from lightning_swarm.discovery import PeerRecord, PeerState
+from lightning_swarm.errors import StageBusyError
+from lightning_swarm.node import SwarmNode
+from lightning_swarm.server.stage_server import StageServer
+
+RUN = "memory_test"
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, block: OutOfMemoryOnce) -> torch.Tensor:
+        ctx.block = block
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.block.fail_backward:
+            ctx.block.fail_backward = False
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (test)")
+        return grad, None
+
+
+class OutOfMemoryOnce(nn.Module):
+    """Passes its input on; once armed, its next forward or backward runs out of memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_forward = self.fail_backward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail_forward:
+            self.fail_forward = False
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (test)")
+        return _FailingBackward.apply(x, self)
+
+
+def stage() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), OutOfMemoryOnce(), nn.Linear(32, 16))
+
+
+def request(server: StageServer, tensors: list[torch.Tensor], **metadata: str) -> runtime_pb2.ExpertRequest:
+    return runtime_pb2.ExpertRequest(
+        uid=server.uid,
+        tensors=[compression.serialize(t, "none") for t in tensors],
+        metadata=protocol.encode_metadata({"codec": "none", **metadata}),
+    )
+
+
+def ask(server: StageServer, kind: str, tensors: list[torch.Tensor], **metadata: str) -> torch.Tensor:
+    response = asyncio.run(server.answer(kind, request(server, tensors, **metadata)))
+    return compression.deserialize(response.tensors[0])
+
+
+def snapshot(server: StageServer) -> list:
+    return [(p.detach().clone(), None if p.grad is None else p.grad.clone()) for p in server.params]
+
+
+def assert_same_state(server: StageServer, before: list) -> None:
+    for p, (value, grad) in zip(server.params, before):
+        assert torch.equal(p, value)
+        assert (p.grad is None and grad is None) or torch.equal(p.grad, grad)
+
+
+def test_out_of_memory_is_answered_busy_and_leaves_the_stage_as_it_was():
+    server = StageServer(RUN, 0, stage(), torch.device("cpu"))
+    block = server.module[2]
+    x, g = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
+    try:
+        ask(server, "backward", [x, g])  # the parameters hold gradients: a failed backward must not touch them
+        before, samples = snapshot(server), server.backward_samples
+
+        block.fail_forward = True
+        with pytest.raises(StageBusyError, match="out of memory"):
+            ask(server, "forward", [x], keep="a")
+        assert len(server.kept) == 0 and server.kept.nbytes == 0
+
+        ask(server, "forward", [x], keep="b")
+        block.fail_backward = True
+        with pytest.raises(StageBusyError, match="out of memory"):
+            ask(server, "backward", [g], kept="b")
+        assert len(server.kept) == 0 and server.kept.nbytes == 0  # the failed backward's graph is freed
+
+        block.fail_backward = True
+        with pytest.raises(StageBusyError, match="out of memory"):
+            ask(server, "backward", [x, g])
+        assert_same_state(server, before)
+        assert server.backward_samples == samples
+
+        plain = stage()  # the server keeps serving, with the same results as before
+        x_leaf = x.clone().requires_grad_()
+        expected = torch.autograd.grad(plain(x_leaf), [x_leaf, *plain.parameters()], g)
+        ask(server, "forward", [x], keep="c")
+        got = [ask(server, "backward", [g], kept="c"), *(p.grad for p in server.params)]
+        for a, b in zip(expected, got):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture
+def two_peers():
+    """Two real stage servers of stage 0 (identical blocks) on their own nodes, and a router on a third node."""
+    nodes, servers = [SwarmNode().start()], []
+    try:
+        nodes += [SwarmNode(nodes[0].visible_maddrs()).start() for _ in range(2)]
+        for node in nodes[:2]:
+            server = StageServer(RUN, 0, stage(), torch.device("cpu"))
+            servers.append(server)
+            node.run(server.add_p2p_handlers(node.p2p, namespace=RUN), timeout=10)
+            record = PeerRecord(str(node.peer_id), 0, PeerState.SERVING, 0.0, 0)
+            node.dht_store(discovery.stage_key(RUN, 0), record.peer_id, record.to_value(), ttl=120)
+        router = StageRouter(nodes[2], RUN, 1, request_timeout=20, ban_timeout=60, stage_wait_timeout=30)
+        yield router, {str(node.peer_id): server for node, server in zip(nodes, servers)}
+    finally:
+        for server in servers:
+            server.shutdown()
+        for node in reversed(nodes):
+            node.shutdown()
+
+
+def test_a_router_fails_over_from_a_peer_out_of_memory(two_peers):
+    router, servers = two_peers
+    x, g = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
+    plain = stage()
+    x_leaf = x.clone().requires_grad_()
+    out = plain(x_leaf)
+    (expected_grad,) = torch.autograd.grad(out, x_leaf, g)
+
+    sick, healthy = list(servers)
+    servers[sick].module[2].fail_forward = True
+    reply, peer = router.call(0, "forward", [compression.serialize(x, "none")], {"codec": "none"}, 2, prefer=sick)
+    assert peer == healthy and router.stats.failovers == 1
+    torch.testing.assert_close(compression.deserialize(reply[0]), out.detach())
+    assert router._peers[0][sick].banned_until == 0  # busy is no failure: the peer stays in the rotation
+
+    pipeline = RemotePipeline(router, "none")
+    outputs, routes = pipeline.run_forward(x, keep=True)
+    torch.testing.assert_close(outputs, out.detach())
+    kept_on = servers[routes[0].peers[0]]
+    kept_on.module[2].fail_backward = True  # the kept backward runs out of memory: recomputed, on either peer
+    torch.testing.assert_close(pipeline.run_backward(g, routes), expected_grad)
+    assert router.stats.recomputed == 1 and len(kept_on.kept) == 0
+
+
+def test_busy_peers_are_waited_for_not_counted_as_failures(monkeypatch):
+    router = StageRouter(node=None, run_id="unit", num_stages=1, max_retries=1, refresh_period=float("inf"))
+    router._peers[0] = {"only": PeerLoad(PeerRecord("only", 0, PeerState.SERVING, 1.0, 0))}
+    answers = [StageBusyError("busy"), StageBusyError("out of memory"), StageBusyError("busy"), ["reply"]]
+
+    def call_peer(*args):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(router, "call_peer", call_peer)
+    assert router.call(0, "forward", [], {}, 1) == (["reply"], "only")  # more busy answers than max_retries
+    assert router.stats.failovers == 1 and not answers
