@@ -98,8 +98,10 @@ class SwarmStrategy(Strategy):
             recomputes the block in backward (activation checkpointing): memory stays flat with many microbatches in
             flight, for about one more forward of compute. Default False.
         max_activation_bytes: memory a stage server spends on keeping training forwards' activations until their
-            backward arrives, so that backward computes no forward again. Beyond it (or after
-            ``activation_timeout`` seconds) the oldest are dropped and their backward recomputes. Default 1 GiB.
+            backward arrives, so that backward computes no forward again (what autograd saved, counted as it saves
+            it). Beyond it (or after ``activation_timeout`` seconds) the oldest are dropped and their backward
+            recomputes. None or ``"auto"``: half of the GPU's free memory once the stage is loaded (peers sharing
+            a GPU should set it), 1 GiB on the CPU.
         activation_timeout: seconds a stage server keeps a forward's activations. Default 120.
         host_maddrs: multiaddrs to listen on. Default: loopback only; use ``/ip4/0.0.0.0/tcp/<port>`` to accept
             peers from other machines.
@@ -153,7 +155,7 @@ class SwarmStrategy(Strategy):
         delayed_updates: Optional[bool] = None,
         microbatches: Optional[int] = None,
         checkpoint_activations: Optional[bool] = None,
-        max_activation_bytes: Optional[int] = None,
+        max_activation_bytes: Optional[Union[int, Literal["auto"]]] = None,
         activation_timeout: Optional[float] = None,
         host_maddrs: Optional[Union[str, list[str]]] = None,
         announce_maddrs: Optional[Union[str, list[str]]] = None,
@@ -199,7 +201,7 @@ class SwarmStrategy(Strategy):
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be at least 1, got {self.microbatches}")
         self.checkpoint_activations = _setting("checkpoint_activations", checkpoint_activations, _flag, False)
-        self.max_activation_bytes = _setting("max_activation_bytes", max_activation_bytes, int, 2**30)
+        self.max_activation_bytes = _setting("max_activation_bytes", max_activation_bytes, _bytes_or_auto, None)
         self.activation_timeout = _setting("activation_timeout", activation_timeout, float, 120.0)
         self.host_maddrs = _setting("host_maddrs", host_maddrs, _as_list, list(LOOPBACK_MADDRS))
         self.announce_maddrs = _setting("announce_maddrs", announce_maddrs, _as_list, [])
@@ -939,6 +941,11 @@ def _as_list(value: Union[str, list[str]]) -> list[str]:
     if isinstance(value, str):
         return [item.strip() for item in value.replace(" ", ",").split(",") if item.strip()]
     return list(value)
+
+
+def _bytes_or_auto(value: Union[int, str]) -> Optional[int]:
+    """A byte count, or None for ``"auto"`` (the component picks it)."""
+    return None if str(value).strip().lower() == "auto" else int(value)
 
 
 def _flag(value: Union[bool, str]) -> bool:

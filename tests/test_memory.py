@@ -18,6 +18,7 @@ from lightning_swarm.client.routing import PeerLoad, StageRouter
 from lightning_swarm.discovery import PeerRecord, PeerState
 from lightning_swarm.errors import StageBusyError
 from lightning_swarm.node import SwarmNode
+from lightning_swarm.server.kept_activations import counting_saved_bytes, default_max_bytes
 from lightning_swarm.server.stage_server import StageServer
 
 RUN = "memory_test"
@@ -77,6 +78,43 @@ def assert_same_state(server: StageServer, before: list) -> None:
     for p, (value, grad) in zip(server.params, before):
         assert torch.equal(p, value)
         assert (p.grad is None and grad is None) or torch.equal(p.grad, grad)
+
+
+def graph_storages(outputs: torch.Tensor) -> dict[int, int]:
+    """Every storage the graph behind ``outputs`` saved (read from its nodes, whole storages, by address)."""
+    storages, seen, nodes = {}, set(), [outputs.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                value = getattr(node, name)
+                for tensor in value if isinstance(value, (tuple, list)) else [value]:
+                    if isinstance(tensor, torch.Tensor):
+                        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+    return storages
+
+
+def test_kept_bytes_are_what_the_graph_holds():
+    """The example's transformer blocks (attention through SDPA, views of the input, layer norms): the count is
+    every storage the graph saved, the stage's input and output, and not the parameters."""
+    from gpt import Block
+
+    torch.manual_seed(0)
+    blocks = nn.Sequential(Block(64, 4), Block(64, 4))
+    params = {p.untyped_storage().data_ptr() for p in blocks.parameters()}
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    with counting_saved_bytes(blocks.parameters()) as saved:
+        out = blocks(x)
+    saved.count(x)
+    saved.count(out)
+    held = {k: v for k, v in graph_storages(out).items() if k not in params}
+    held[x.untyped_storage().data_ptr()] = x.nbytes
+    held[out.untyped_storage().data_ptr()] = out.nbytes
+    assert saved.nbytes == sum(held.values()) > 20 * x.nbytes
 
 
 def test_out_of_memory_is_answered_busy_and_leaves_the_stage_as_it_was():
@@ -174,3 +212,15 @@ def test_busy_peers_are_waited_for_not_counted_as_failures(monkeypatch):
     monkeypatch.setattr(router, "call_peer", call_peer)
     assert router.call(0, "forward", [], {}, 1) == (["reply"], "only")  # more busy answers than max_retries
     assert router.stats.failovers == 1 and not answers
+
+
+def test_the_default_cap_is_1_gib_on_the_cpu_and_half_the_free_memory_on_a_gpu():
+    assert default_max_bytes(torch.device("cpu")) == 2**30
+    server = StageServer(RUN, 0, stage(), torch.device("cpu"))
+    server.shutdown()
+    assert server.kept.max_bytes == 2**30
+    if not torch.cuda.is_available():
+        return
+    device = torch.device("cuda", torch.cuda.current_device())
+    free, _ = torch.cuda.mem_get_info(device)
+    assert abs(default_max_bytes(device) - free // 2) < 2**28  # other processes may allocate meanwhile

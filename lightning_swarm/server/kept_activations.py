@@ -2,8 +2,12 @@
 
 Backward is cheapest on the peer that ran the forward: it still holds the autograd graph, so it neither
 recomputes the forward nor needs the stage's input sent again. Those graphs hold memory, so they are kept for a
-bounded time and up to a bounded number of bytes (what autograd saved, counted as it saves it), the oldest
-dropped first. A backward whose graph was dropped falls back to recomputation from the input.
+bounded time and up to a bounded number of bytes (what autograd saved, counted as it saves it, plus the stage's
+input and output), the oldest dropped first. A backward whose graph was dropped falls back to recomputation from
+the input.
+
+The default bound (:func:`default_max_bytes`) is a fraction of the accelerator's free memory when the server
+starts, measured after the stage's parameters and optimizer state were allocated; on the CPU it stays 1 GiB.
 """
 
 from __future__ import annotations
@@ -81,20 +85,39 @@ class KeptActivations:
         self.dropped += 1
 
 
-@contextlib.contextmanager
-def counting_saved_bytes(exclude: Iterable[torch.Tensor]) -> Generator[list[int], None, None]:
-    """Count the bytes of the storages autograd saves inside the block (each storage once), except those of
-    ``exclude`` (the parameters, which exist anyway). Yields a one-element list that holds the count."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen: dict[int, int] = {}
-    total = [0]
+DEVICE_MEMORY_FRACTION = 0.5  # of a CUDA device's free memory; the rest: gradients, backward's workspace, decoding
+CPU_MAX_BYTES = 2**30
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+
+def default_max_bytes(device: torch.device) -> int:
+    """The default cap on kept activations: half of ``device``'s free memory now on CUDA, else 1 GiB."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * DEVICE_MEMORY_FRACTION)
+    return CPU_MAX_BYTES
+
+
+class SavedBytes:
+    """Bytes of the distinct storages counted so far (each once), except those of ``exclude`` (the parameters,
+    which exist anyway)."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor]) -> None:
+        self._skip = {t.untyped_storage().data_ptr() for t in exclude}
+        self._seen: set[int] = set()
+        self.nbytes = 0
+
+    def count(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in skip and storage.data_ptr() not in seen:
-            seen[storage.data_ptr()] = storage.nbytes()
-            total[0] += storage.nbytes()
+        if storage.data_ptr() not in self._skip and storage.data_ptr() not in self._seen:
+            self._seen.add(storage.data_ptr())
+            self.nbytes += storage.nbytes()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield total
+
+@contextlib.contextmanager
+def counting_saved_bytes(exclude: Iterable[torch.Tensor]) -> Generator[SavedBytes, None, None]:
+    """Count the storages autograd saves inside the block (each storage once, whole even when a view was saved),
+    except those of ``exclude``. Modules that save tensors on their own (checkpointing) count what they keep."""
+    saved = SavedBytes(exclude)
+    with torch.autograd.graph.saved_tensors_hooks(saved.count, lambda tensor: tensor):
+        yield saved

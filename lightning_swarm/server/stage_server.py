@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_swarm import compression, protocol, security
 from lightning_swarm.errors import ActivationsLostError, NotServingError, StageBusyError, SwarmRequestError
 from lightning_swarm.security import AccessPolicy, PeerNotAllowedError
-from lightning_swarm.server.kept_activations import Kept, KeptActivations, counting_saved_bytes
+from lightning_swarm.server.kept_activations import Kept, KeptActivations, counting_saved_bytes, default_max_bytes
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ class StageServer(ServicerBase):
         max_queue: requests waiting for the worker; further requests are answered "busy".
         max_request_bytes: requests with more tensor bytes are refused before they are decoded.
         max_activation_bytes: memory for the graphs of training forwards awaiting their backward (what autograd
-            saved; the oldest are dropped first, and their backward recomputes).
+            saved, and the stage's input and output; the oldest are dropped first, and their backward recomputes).
+            None: half of the device's free memory when the server starts (CUDA), 1 GiB on the CPU.
         activation_timeout: seconds such a graph is kept at most.
         checkpoint_activations: keep only each block's input and recompute the block in backward (activation
             checkpointing), so that many microbatches in flight cost little memory.
@@ -86,7 +87,7 @@ class StageServer(ServicerBase):
         describe: Optional[Callable[[], dict]] = None,
         max_queue: int = 64,
         max_request_bytes: int = 256 * 2**20,
-        max_activation_bytes: int = 2**30,
+        max_activation_bytes: Optional[int] = None,
         activation_timeout: float = 120.0,
         checkpoint_activations: bool = False,
         throttle: float = 1.0,
@@ -100,6 +101,8 @@ class StageServer(ServicerBase):
         self.on_idle, self.idle_period, self.describe = on_idle, idle_period, describe
         self.refresh_parameters = refresh_parameters
         self.max_request_bytes, self.checkpoint_activations = max_request_bytes, checkpoint_activations
+        if max_activation_bytes is None:
+            max_activation_bytes = default_max_bytes(device)
         self.kept = KeptActivations(max_activation_bytes, activation_timeout)
         self.throttle = throttle
         self.policy = policy  # callers off its allow-list, or without the swarm's secret, are refused
@@ -350,7 +353,9 @@ class StageServer(ServicerBase):
         inputs = inputs.to(self.device).requires_grad_()
         with torch.enable_grad(), counting_saved_bytes(self.params) as saved:
             outputs = self._run(inputs)
-        self.kept.put(key, Kept(inputs, outputs, saved[0], self._params_version()))
+        saved.count(inputs)  # the entry holds both, whether the graph saved them or not
+        saved.count(outputs)
+        self.kept.put(key, Kept(inputs, outputs, saved.nbytes, self._params_version()))
         return outputs.detach()
 
     def _run(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -370,8 +375,10 @@ class StageServer(ServicerBase):
         if kept is None:
             raise ActivationsLostError(f"stage {self.stage} no longer holds this forward's activations")
         if kept.params_version != self._params_version():
-            # the stage stepped since this forward: autograd refuses a graph whose saved parameters changed
-            return self._backward(kept.inputs.detach(), grad_outputs)
+            # the stage stepped since this forward: autograd refuses a graph whose saved parameters changed; the old
+            # graph is let go before the forward is recomputed
+            inputs, kept = kept.inputs.detach(), None
+            return self._backward(inputs, grad_outputs)
         return self._backward_through(kept.inputs, kept.outputs, grad_outputs)
 
     def _backward(self, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> torch.Tensor:
