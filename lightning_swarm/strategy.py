@@ -330,6 +330,18 @@ class SwarmStrategy(Strategy):
         return policy
 
     @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` builds the model on the meta device: the peer then allocates only
+        the stage it serves and the local modules, initialised by their ``reset_parameters()`` (a peer joining a live
+        swarm downloads its stage's trained state). Otherwise tensors are created on this peer's device."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextlib.contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Blocks created in ``configure_model`` start on the meta device: a peer allocates only its own stage."""
         if is_overridden("configure_model", self.lightning_module):
