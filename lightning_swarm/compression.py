@@ -5,7 +5,8 @@ dynamic code, one fp32 scale (the block's absmax) per block of 4096 values, abou
 ``float16`` halves it; ``none`` sends tensors as they are (exact).
 
 Encoding runs on the tensor's own device (the GPU when it lives there), so only the compressed bytes cross to the
-host. Decoding runs on the CPU, or on ``device`` when asked. Messages are hivemind's ``runtime_pb2.Tensor``, so
+host. Decoding runs on the CPU, or on ``device`` when asked (a GPU: the bytes go through a pinned buffer, copied
+without blocking, and are decoded there). Messages are hivemind's ``runtime_pb2.Tensor``, so
 hivemind's streaming splits and joins them; ``buffer`` holds data in host byte order (little-endian wherever
 torch wheels run):
 
@@ -90,17 +91,17 @@ def deserialize(message: runtime_pb2.Tensor, device: Union[torch.device, str, No
         raw = _view(buffer, numel * dtype.itemsize)
         if dtype == torch.bool and bool((raw > 1).any()):
             raise ValueError("bool tensor with bytes other than 0 and 1")
-        return _owned(raw.to(device), raw).view(dtype).reshape(shape)
+        return _owned(_to(raw, device), raw).view(dtype).reshape(shape)
     if message.compression == runtime_pb2.CompressionType.FLOAT16:
         dtype = _dtype(message.dtype, floating=True)
-        half = _view(buffer, numel * 2).view(torch.float16).to(device)
+        half = _to(_view(buffer, numel * 2), device).view(torch.float16)
         return _owned(half.to(dtype), half).reshape(shape)
     if message.compression == runtime_pb2.CompressionType.BLOCKWISE_8BIT:
         if not message.dtype.endswith(EIGHT_BIT_TAG):
             raise ValueError(f"8-bit tensor with dtype {message.dtype!r}: expected '<dtype>{EIGHT_BIT_TAG}'")
         dtype = _dtype(message.dtype.removesuffix(EIGHT_BIT_TAG), floating=True)
         blocks = -(-numel // BLOCK_SIZE)
-        raw = _view(buffer, 4 * blocks + numel).to(device)
+        raw = _to(_view(buffer, 4 * blocks + numel), device)
         return _dequantize(raw[4 * blocks :], raw[: 4 * blocks].view(torch.float32), dtype).reshape(shape)
     raise ValueError(f"unsupported compression {message.compression}")
 
@@ -148,6 +149,14 @@ def _view(buffer: bytes, expected: int) -> torch.Tensor:
     if len(buffer) != expected:
         raise ValueError(f"buffer holds {len(buffer)} bytes, the shape and dtype need {expected}")
     return torch.from_numpy(np.frombuffer(buffer, dtype=np.uint8))
+
+
+def _to(raw: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``raw`` (host bytes) on ``device``: to a GPU through a pinned buffer, without waiting for the copy (work
+    queued after it on the device's stream runs once it landed)."""
+    if device.type != "cuda":
+        return raw.to(device)
+    return raw.pin_memory().to(device, non_blocking=True)
 
 
 def _owned(tensor: torch.Tensor, view: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 
 import lightning as L
 import pytest
@@ -20,6 +21,7 @@ from lightning_swarm.client.routing import PeerLoad, StageRouter
 from lightning_swarm.discovery import PeerRecord, PeerState
 from lightning_swarm.errors import StageBusyError
 from lightning_swarm.node import SwarmNode
+from lightning_swarm.optimizer import swarm_optimizer
 from lightning_swarm.server.kept_activations import counting_saved_bytes, default_max_bytes
 from lightning_swarm.server.stage_server import StageServer
 from lightning_swarm.strategy import SwarmStrategy
@@ -278,3 +280,86 @@ def test_empty_init_allocates_only_the_served_stage(swarm):
     served = [p for block in blueprint[:2] for p in block.parameters()]
     assert served and not any(p.is_meta for p in served) and all(torch.isfinite(p).all() for p in served)
     assert not any(p.is_meta for p in model.parameters())  # the local modules (embeddings, head) trained here
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_gradients_accumulate_on_the_parameters_device_and_reach_the_host_only_to_be_averaged(delayed):
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    node = SwarmNode().start()
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).to(device)
+    optimizer = None
+    try:
+        optimizer = swarm_optimizer(
+            node.dht, "accumulate_test", torch.optim.SGD(model.parameters(), lr=0.1), 10_000, 1.0, 4.0, delayed=delayed
+        )
+        grads = [[torch.randn_like(p) for p in model.parameters()] for _ in range(3)]
+        for step_grads in grads:
+            for p, g in zip(model.parameters(), step_grads):
+                p.grad = g.clone()
+            optimizer.step(batch_size=4)  # far from the target batch size: accumulates only
+            optimizer.zero_grad()
+        accumulators = optimizer.grad_averager._local_accumulators
+        for i, (p, accumulated) in enumerate(zip(model.parameters(), accumulators)):
+            assert accumulated.device == p.device
+            assert torch.equal(accumulated, grads[0][i] + grads[1][i] + grads[2][i])
+        with optimizer.grad_averager.get_tensors() as averaged:  # what the all-reduce sends: not written yet
+            assert all(t.device.type == "cpu" and not t.any() for t in averaged)
+        optimizer.grad_averager.load_accumulators_into_averager_()  # what a step does before its all-reduce
+        with optimizer.grad_averager.get_tensors() as averaged:
+            for i, t in enumerate(averaged):
+                torch.testing.assert_close(t, ((grads[0][i] + grads[1][i] + grads[2][i]) / 3).cpu())
+    finally:
+        if optimizer is not None:
+            optimizer.shutdown()
+        node.shutdown()
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@needs_gpu
+@pytest.mark.parametrize("codec", ["none", "float16", "8bit"])
+def test_requests_are_decoded_on_the_gpu(codec):
+    server = StageServer(RUN, 0, stage().cuda(), torch.device("cuda"))
+    try:
+        x = torch.randn(2, 4, 16)
+        message = compression.serialize(x, codec)
+        decoded = server._decode(message)
+        assert decoded.device.type == "cuda"
+        assert torch.equal(decoded.cpu(), compression.deserialize(message))
+    finally:
+        server.shutdown()
+
+
+class Busy(nn.Module):
+    """Queues a few seconds' worth of GPU work (on most GPUs, 0.05-0.5 s) whose launch returns at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.randn(4096, 4096, device=x.device) / 64
+        for _ in range(30):
+            a = a @ a
+        return self.linear(x) + 0 * a.mean()
+
+
+@needs_gpu
+def test_throughput_is_measured_with_the_gpu_synchronised():
+    module = Busy().cuda()
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        module(x.cuda())  # warm-up (cuBLAS)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        module(x.cuda())
+        torch.cuda.synchronize()
+        compute = time.perf_counter() - start
+    server = StageServer(RUN, 0, module, torch.device("cuda"))
+    try:
+        ask(server, "forward", [x])
+        assert 8 / server.throughput.samples_per_second > 0.5 * compute  # the kernels' time, not their launch's
+    finally:
+        server.shutdown()

@@ -1,13 +1,15 @@
 """The stage server: answers forward and backward requests for the stage this peer serves (SWARM section 2).
 
-Requests arrive over hivemind's libp2p RPC, are validated, and wait in a bounded queue for one compute worker
-thread that owns the stage module on the accelerator's device. A training forward keeps its autograd graph for a
+Requests arrive over hivemind's libp2p RPC, are decoded straight onto the stage's device and validated beside the
+event loop, and wait in a bounded queue for one compute worker thread that owns the stage module on that device. A training forward keeps its autograd graph for a
 while (:mod:`~lightning_swarm.server.kept_activations`), so that the backward that follows on this peer needs
 only the output gradient and computes no forward again. A backward sent with the stage's input instead recomputes
 the forward from it, so any peer of the stage can serve it (the fallback when the first peer died or dropped the
 graph). Backward hands the parameter gradients to the stage optimizer (which accumulates them towards the
 stage's target batch size) and returns the gradient of the input.
-A request that fails validation or computation leaves the stage's parameters and accumulated gradients untouched.
+A request that fails validation or computation leaves the stage's parameters and accumulated gradients untouched;
+one that runs out of memory is answered "busy" (the caller tries another peer, or waits), once what it held is freed.
+The throughput a server publishes is measured on its requests' compute, the device synchronised.
 """
 
 from __future__ import annotations
@@ -248,7 +250,7 @@ class StageServer(ServicerBase):
                 f"tensor of shape {list(message.size)} exceeds the cap of {self.max_request_bytes} bytes"
             )
         try:
-            tensor = compression.deserialize(message)
+            tensor = compression.deserialize(message, device=self.device)
         except Exception as e:
             raise SwarmRequestError(f"undecodable tensor: {e!r}") from None
         if tensor.numel() == 0:  # costs no bytes whatever its batch dimension, which would count as samples
@@ -296,6 +298,7 @@ class StageServer(ServicerBase):
             with self.lock:
                 self.module.train(train)
                 output = self._compute(kind, tensors, key)
+            self._synchronize()  # the time below is the compute's, not that of launching its kernels
         except (SwarmRequestError, ActivationsLostError) as e:
             future.set_exception(e)
             return
@@ -320,6 +323,11 @@ class StageServer(ServicerBase):
         future.set_result(output)  # the caller goes on while the stage optimizer takes its turn
         if kind == "backward":
             self._hand_over_gradients(batch)
+
+    def _synchronize(self) -> None:
+        """Wait for the work queued on the stage's device (a GPU runs kernels after they were launched)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _overloaded(self, kind: str, error: str) -> StageBusyError:
         """The answer to a request that ran out of memory: busy (callers try another peer or wait), after giving
