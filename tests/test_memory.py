@@ -224,6 +224,7 @@ def test_the_default_cap_is_1_gib_on_the_cpu_and_half_the_free_memory_on_a_gpu()
     server = StageServer(RUN, 0, stage(), torch.device("cpu"))
     server.shutdown()
     assert server.kept.max_bytes == 2**30
+    assert server.info()["device_memory"] == {}  # reported for GPUs only
     if not torch.cuda.is_available():
         return
     device = torch.device("cuda", torch.cuda.current_device())
@@ -363,3 +364,22 @@ def test_throughput_is_measured_with_the_gpu_synchronised():
         assert 8 / server.throughput.samples_per_second > 0.5 * compute  # the kernels' time, not their launch's
     finally:
         server.shutdown()
+
+
+@needs_gpu
+def test_a_gpu_server_reports_its_memory_and_writes_a_snapshot_when_out_of_memory(tmp_path, monkeypatch):
+    snapshot = tmp_path / "snapshot.pickle"
+    monkeypatch.setenv("SWARM_MEMORY_SNAPSHOT", str(snapshot))
+    server = StageServer(RUN, 0, stage().cuda(), torch.device("cuda"))
+    try:
+        x = torch.randn(2, 4, 16)
+        ask(server, "forward", [x], keep="a")
+        usage = server.info()["device_memory"]
+        assert usage["peak_allocated"] >= usage["allocated"] >= server.kept.nbytes > 0
+        server.module[2].fail_forward = True
+        with pytest.raises(StageBusyError):
+            ask(server, "forward", [x], keep="b")
+        assert snapshot.stat().st_size > 0
+    finally:
+        server.shutdown()
+        torch.cuda.memory._record_memory_history(enabled=None)

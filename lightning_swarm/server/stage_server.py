@@ -1,12 +1,12 @@
 """The stage server: answers forward and backward requests for the stage this peer serves (SWARM section 2).
 
 Requests arrive over hivemind's libp2p RPC, are decoded straight onto the stage's device and validated beside the
-event loop, and wait in a bounded queue for one compute worker thread that owns the stage module on that device. A training forward keeps its autograd graph for a
-while (:mod:`~lightning_swarm.server.kept_activations`), so that the backward that follows on this peer needs
-only the output gradient and computes no forward again. A backward sent with the stage's input instead recomputes
-the forward from it, so any peer of the stage can serve it (the fallback when the first peer died or dropped the
-graph). Backward hands the parameter gradients to the stage optimizer (which accumulates them towards the
-stage's target batch size) and returns the gradient of the input.
+event loop, and wait in a bounded queue for one compute worker thread that owns the stage module on that device. A
+training forward keeps its autograd graph for a while (:mod:`~lightning_swarm.server.kept_activations`), so that the
+backward that follows on this peer needs only the output gradient and computes no forward again. A backward sent
+with the stage's input instead recomputes the forward from it, so any peer of the stage can serve it (the fallback
+when the first peer died or dropped the graph). Backward hands the parameter gradients to the stage optimizer (which
+accumulates them towards the stage's target batch size) and returns the gradient of the input.
 A request that fails validation or computation leaves the stage's parameters and accumulated gradients untouched;
 one that runs out of memory is answered "busy" (the caller tries another peer, or waits), once what it held is freed.
 The throughput a server publishes is measured on its requests' compute, the device synchronised.
@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_swarm import compression, protocol, security
 from lightning_swarm.errors import ActivationsLostError, NotServingError, StageBusyError, SwarmRequestError
 from lightning_swarm.security import AccessPolicy, PeerNotAllowedError
+from lightning_swarm.server import device_memory
 from lightning_swarm.server.kept_activations import Kept, KeptActivations, counting_saved_bytes, default_max_bytes
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class StageServer(ServicerBase):
         if max_activation_bytes is None:
             max_activation_bytes = default_max_bytes(device)
         self.kept = KeptActivations(max_activation_bytes, activation_timeout)
+        self._snapshot_path = device_memory.start_recording(device)
         self.throttle = throttle
         self.policy = policy  # callers off its allow-list, or without the swarm's secret, are refused
         self.optimizer_state = optimizer_state  # the stage optimizer's state dict, for complete checkpoints
@@ -167,6 +169,8 @@ class StageServer(ServicerBase):
             throughput=self.throughput.samples_per_second if self.throughput.num_updates else 0.0,
             backward_samples=self.backward_samples,
             kept_bytes=self.kept.nbytes,
+            kept_forwards=len(self.kept),
+            device_memory=device_memory.usage(self.device),
             **(self.describe() if self.describe is not None else {}),
         )
 
@@ -332,7 +336,16 @@ class StageServer(ServicerBase):
     def _overloaded(self, kind: str, error: str) -> StageBusyError:
         """The answer to a request that ran out of memory: busy (callers try another peer or wait), after giving
         the allocator's cached blocks back to the device."""
-        log.warning("Stage %d ran out of memory in a %s request: answered busy (%s)", self.stage, kind, error)
+        log.warning(
+            "Stage %d ran out of memory in a %s request: answered busy (%s; kept %d forwards of %d bytes; device %s)",
+            self.stage,
+            kind,
+            error,
+            len(self.kept),
+            self.kept.nbytes,
+            device_memory.usage(self.device),
+        )
+        device_memory.dump(self._snapshot_path)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return StageBusyError(f"stage {self.stage} is out of memory: try another peer or later")
@@ -448,3 +461,4 @@ class StageServer(ServicerBase):
         self._tasks.put(None)
         self._worker.join(timeout=30)
         self.kept.clear()
+        device_memory.dump(self._snapshot_path)
