@@ -194,6 +194,16 @@ class SwarmOptimizer(hivemind.Optimizer):
         if maybe_step_control is not None and maybe_step_control.done() and not maybe_step_control.exception():
             self.allreduce_sizes[len(maybe_step_control.result())] += 1
 
+    def _load_averaged_gradients_into_optimizer_(self) -> None:
+        # hivemind makes a missing .grad (zero_grad sets it to None) a clone of the averaged gradient, which lives on
+        # the host: a GPU parameter refuses it, and the step after an idle peer joined a round failed. Device zeros
+        # first, so that the averaged gradient is copied onto the device.
+        if not self.offload_optimizer:
+            for param in self.state_averager.main_parameters:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+        super()._load_averaged_gradients_into_optimizer_()
+
     def load_state_from_peers(self, **kwargs: Any) -> bool:
         """Download the newest state of the peers sharing this optimizer; returns whether this peer is now at the
         swarm's epoch.

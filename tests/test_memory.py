@@ -383,3 +383,30 @@ def test_a_gpu_server_reports_its_memory_and_writes_a_snapshot_when_out_of_memor
     finally:
         server.shutdown()
         torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def test_averaged_gradients_are_loaded_onto_the_parameters_device_after_zero_grad():
+    """An idle peer joins a round after ``zero_grad`` set ``.grad`` to None: the averaged gradient (on the host) must
+    land on the parameters' device (on a GPU, hivemind's clone of the host tensor was refused)."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    node = SwarmNode().start()
+    model = nn.Linear(8, 4).to(device)
+    optimizer = None
+    try:
+        optimizer = swarm_optimizer(
+            node.dht, "load_test", torch.optim.SGD(model.parameters(), lr=0.1), 10_000, 1.0, 4.0
+        )
+        grads = [torch.randn_like(p) for p in model.parameters()]
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
+        optimizer.step(batch_size=4)
+        optimizer.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+        optimizer.grad_averager.load_accumulators_into_averager_()
+        optimizer._load_averaged_gradients_into_optimizer_()
+        for p, g in zip(model.parameters(), grads):
+            assert p.grad.device == p.device and torch.equal(p.grad, g)
+    finally:
+        if optimizer is not None:
+            optimizer.shutdown()
+        node.shutdown()
