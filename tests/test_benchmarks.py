@@ -67,6 +67,12 @@ def test_convergence_smoke(tmp_path):
     assert (tmp_path / "results" / "convergence.json").exists()
 
 
+def test_stage_memory_smoke(tmp_path):
+    figures = json.loads(smoke(tmp_path, "stage_memory", timeout=200))
+    assert len(figures["batches"]) == 3 and all(row["kept_bytes"] > 0 for row in figures["batches"]), figures
+    assert figures["expected"]["parameters"] > 0, figures
+
+
 def test_plot(tmp_path):
     curves = {label: {"samples": [16, 32, 48], "val_loss": [3.1, 2.6, 2.4]} for label in ("plain", "swarm, 1 trainer")}
     (tmp_path / "convergence.json").write_text(json.dumps({"d_model": 32, "curves": curves}))
