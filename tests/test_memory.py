@@ -6,8 +6,10 @@ The out-of-memory errors are real ``torch.OutOfMemoryError`` raised by a block (
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import time
+import weakref
 
 import lightning as L
 import pytest
@@ -410,3 +412,37 @@ def test_averaged_gradients_are_loaded_onto_the_parameters_device_after_zero_gra
         if optimizer is not None:
             optimizer.shutdown()
         node.shutdown()
+
+
+class Watched(nn.Module):
+    """tanh, which autograd saves its output for; keeps weak references to those outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(x)
+        self.outputs.append(weakref.ref(y))
+        return y
+
+
+def test_a_forward_dropped_before_its_backward_frees_its_activations():
+    """Graphs dropped without a backward (over the cap, expired, or from before a step) must free what they saved:
+    an op's saved output, held by the counting hook, formed a cycle with its own graph that no collector frees."""
+    torch.manual_seed(0)
+    watched = Watched()
+    server = StageServer(RUN, 0, nn.Sequential(nn.Linear(16, 16), watched, nn.Linear(16, 16)), torch.device("cpu"))
+    x, g = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
+    try:
+        ask(server, "forward", [x], keep="a")
+        server.kept.max_bytes = server.kept.nbytes  # room for one: the next forward drops this one
+        ask(server, "forward", [x], keep="b")
+        assert server.kept.dropped == 1
+        with torch.no_grad():
+            server.params[0].add_(0.01)  # a step: the kept "b" is dropped, and its backward recomputes
+        ask(server, "backward", [g], kept="b")
+        gc.collect()
+        assert [ref() is None for ref in watched.outputs] == [True, True, True]
+    finally:
+        server.shutdown()

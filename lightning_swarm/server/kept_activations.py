@@ -106,18 +106,25 @@ class SavedBytes:
         self._seen: set[int] = set()
         self.nbytes = 0
 
-    def count(self, tensor: torch.Tensor) -> torch.Tensor:
+    def count(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in self._skip and storage.data_ptr() not in self._seen:
             self._seen.add(storage.data_ptr())
             self.nbytes += storage.nbytes()
-        return tensor
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The saved-tensors hook: count ``tensor`` and save it detached. Saved as it is, an op's saved output would
+        hold its own graph in a reference cycle through autograd's C++ nodes, which no garbage collector frees: a
+        graph dropped before its backward (over the cap, expired, from before a step) leaked what it saved."""
+        self.count(tensor)
+        return tensor.detach()
 
 
 @contextlib.contextmanager
 def counting_saved_bytes(exclude: Iterable[torch.Tensor]) -> Generator[SavedBytes, None, None]:
     """Count the storages autograd saves inside the block (each storage once, whole even when a view was saved),
-    except those of ``exclude``. Modules that save tensors on their own (checkpointing) count what they keep."""
+    except those of ``exclude``. Modules that save tensors on their own (checkpointing) count what they keep.
+    Gradients through the block stay first-order: what it saved is detached from the graph."""
     saved = SavedBytes(exclude)
-    with torch.autograd.graph.saved_tensors_hooks(saved.count, lambda tensor: tensor):
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda tensor: tensor):
         yield saved
