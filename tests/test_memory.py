@@ -149,6 +149,15 @@ def test_out_of_memory_is_answered_busy_and_leaves_the_stage_as_it_was():
         assert_same_state(server, before)
         assert server.backward_samples == samples
 
+        def decode_out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+        with pytest.MonkeyPatch.context() as patch:  # decoding onto the device runs out of memory
+            patch.setattr(compression, "deserialize", decode_out_of_memory)
+            with pytest.raises(StageBusyError, match="out of memory"):
+                ask(server, "forward", [x], keep="d")
+        assert len(server.kept) == 0
+
         plain = stage()  # the server keeps serving, with the same results as before
         x_leaf = x.clone().requires_grad_()
         expected = torch.autograd.grad(plain(x_leaf), [x_leaf, *plain.parameters()], g)

@@ -45,10 +45,11 @@ def stage_uid(run_id: str, stage: int) -> str:
 
 
 def _out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` is an allocator running out of memory (the device's, or a backend's without its own type)."""
-    return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "out of memory" in str(error)
-    )
+    """Whether ``error`` is an allocator running out of memory (the device's, or a backend's without its own type);
+    not this server's own "busy" answer to one."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and not isinstance(error, StageBusyError) and "out of memory" in str(error)
 
 
 class StageServer(ServicerBase):
@@ -220,7 +221,7 @@ class StageServer(ServicerBase):
         except (ActivationsLostError, NotServingError):
             raise  # expected when the caller's view is stale: no log line
         except Exception as e:
-            if _out_of_memory(e):  # decoding or encoding: the request's tensors are gone once this frame is
+            if _out_of_memory(e):  # in decoding or encoding (the worker answers busy itself)
                 raise self._overloaded(kind, repr(e)) from None
             log.warning("Stage %d refused a %s request from %s: %r", self.stage, kind, caller, e)
             raise
@@ -256,6 +257,8 @@ class StageServer(ServicerBase):
         try:
             tensor = compression.deserialize(message, device=self.device)
         except Exception as e:
+            if _out_of_memory(e):
+                raise  # the device is full, the message may be fine: answered busy
             raise SwarmRequestError(f"undecodable tensor: {e!r}") from None
         if tensor.numel() == 0:  # costs no bytes whatever its batch dimension, which would count as samples
             raise SwarmRequestError(f"empty tensor of shape {list(tensor.shape)}")
