@@ -300,7 +300,7 @@ class StageServer(ServicerBase):
         self.kept.expire()
         if not future.set_running_or_notify_cancel():
             return
-        start = time.perf_counter()
+        start, error = time.perf_counter(), None
         try:
             with self.lock:
                 self.module.train(train)
@@ -314,8 +314,6 @@ class StageServer(ServicerBase):
                 future.set_exception(SwarmRequestError(f"stage {self.stage} {kind} failed: {e!r}"))
                 return
             error = repr(e)  # handled below, once the failed call's frames (and the tensors they hold) are gone
-        else:
-            error = None
         if error is not None:
             if key is not None:
                 self.kept.pop(key)  # a forward kept before the failure, or the graph the failed backward used
