@@ -455,3 +455,12 @@ def test_a_forward_dropped_before_its_backward_frees_its_activations():
         assert [ref() is None for ref in watched.outputs] == [True, True, True]
     finally:
         server.shutdown()
+
+
+def test_max_activation_bytes_is_a_count_or_auto(monkeypatch):
+    assert SwarmStrategy().max_activation_bytes is None  # the server picks it for its device
+    assert SwarmStrategy(max_activation_bytes="auto").max_activation_bytes is None
+    monkeypatch.setenv("SWARM_MAX_ACTIVATION_BYTES", "123456")
+    assert SwarmStrategy().max_activation_bytes == 123456
+    monkeypatch.setenv("SWARM_MAX_ACTIVATION_BYTES", "AUTO")
+    assert SwarmStrategy().max_activation_bytes is None
