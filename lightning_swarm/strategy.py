@@ -50,6 +50,7 @@ from lightning_swarm.errors import StageUnavailableError
 from lightning_swarm.events import EventQueue, PeerJoined, PeerLeft, StageChanged, StageStep
 from lightning_swarm.node import LOOPBACK_MADDRS, SwarmNode, kill_daemon
 from lightning_swarm.optimizer import restrict_to, swarm_optimizer
+from lightning_swarm.precision import check_precision
 from lightning_swarm.rebalancing import Move, Plan, Rebalancer
 from lightning_swarm.security import AccessPolicy
 from lightning_swarm.server.stage_server import StageServer
@@ -341,6 +342,7 @@ class SwarmStrategy(Strategy):
             raise ValueError(
                 "SwarmStrategy accumulates gradients towards target_batch_size: leave accumulate_grad_batches=1"
             )
+        check_precision(self.precision_plugin.precision)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._partition_and_serve(trainer, fitting)
         super().setup(trainer)
@@ -535,6 +537,7 @@ class SwarmStrategy(Strategy):
         if self._pipeline_name is None:
             self._partition(module)
         layout = {"num_stages": self.num_stages, "spans": [[s.start, s.end] for s in self._spans]}
+        layout["precision"] = self.precision_plugin.precision  # peers computing in another precision are refused
         self._layout = layout
         discovery.check_run_meta(self.node, self.run_id, layout, ttl=max(60.0, 6 * self.update_period))
         if self._stage_module is not None:
@@ -556,7 +559,8 @@ class SwarmStrategy(Strategy):
         )
         self.router.local_server = self.server
         self.router.on_event = self.events.emit
-        setattr(module, self._pipeline_name, RemotePipeline(self.router, self.compression, self.microbatches))
+        remote = RemotePipeline(self.router, self.compression, self.microbatches, loss_scale=self._loss_scale)
+        setattr(module, self._pipeline_name, remote)
         self._watch_swarm(rebalance=fitting and self.server is not None and self.rebalance_period > 0)
 
     def _partition(self, module: LightningModule) -> None:
@@ -580,10 +584,16 @@ class SwarmStrategy(Strategy):
         _materialize_meta_tensors(module, self.root_device)  # the local modules, if built on the meta device
 
     def _materialize_stage(self, stage: int) -> nn.Module:
-        """The blocks of ``stage`` on this peer's device (freshly initialised if they were on the meta device)."""
+        """The blocks of ``stage`` on this peer's device (freshly initialised if they were on the meta device), in
+        the dtype of the Trainer's precision (``-true``), as Lightning converts the whole model in plain training."""
         blocks = partitioning.stage_module(self._blueprint, self._spans[stage])
         _materialize_meta_tensors(blocks, self.root_device)
-        return blocks.to(self.root_device)
+        return self.precision_plugin.convert_module(blocks).to(self.root_device)
+
+    def _loss_scale(self) -> Optional[float]:
+        """The current scale of the Trainer's GradScaler (``16-mixed``), sent with gradients to stage servers."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return None if scaler is None else scaler.get_scale()
 
     def _choose_stage(self) -> int:
         """The given stage, else a bottleneck stage: the lowest summed throughput (a stage without peers first)."""
@@ -638,6 +648,7 @@ class SwarmStrategy(Strategy):
             throttle=self.throttle,
             policy=self.node.policy,
             optimizer_state=optimizer.state_dict if optimizer is not None else None,
+            precision=self.precision_plugin.precision,
         )
         self._joining = True
         self._announcer = self._make_announcer()

@@ -21,7 +21,7 @@ import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Optional, TypeVar, Union
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -51,11 +51,19 @@ class RemotePipeline(nn.Module):
     Args:
         microbatches: a batch is split into this many equal microbatches in flight at once (fewer when the batch
             size is not a multiple: the largest divisor of the batch size not above it).
+        loss_scale: returns the scale of the trainer's GradScaler (``16-mixed``), or None: the gradients sent to
+            the stages are scaled by it, and it travels with them so that the stages unscale theirs.
     """
 
-    def __init__(self, router: StageRouter, codec: str = "8bit", microbatches: int = 1) -> None:
+    def __init__(
+        self,
+        router: StageRouter,
+        codec: str = "8bit",
+        microbatches: int = 1,
+        loss_scale: Optional[Callable[[], Optional[float]]] = None,
+    ) -> None:
         super().__init__()
-        self.router, self.microbatches = router, microbatches
+        self.router, self.microbatches, self.loss_scale = router, microbatches, loss_scale
         self.codec = compression.check_codec(codec)
         self._pool = ThreadPoolExecutor(microbatches, "swarm-microbatch") if microbatches > 1 else None
         # a leaf that requires grad, so that backward reaches the stages even when the input needs no gradient
@@ -83,7 +91,8 @@ class RemotePipeline(nn.Module):
         """Backward through every stage along the routes of ``run_forward``, microbatches concurrently."""
         scale = len(routes)  # equal microbatches: the gradient of a microbatch's own mean loss is scale times its part
         grads = [grad * scale for grad in grad_outputs.detach().chunk(scale)]
-        return torch.cat(self._map(self._backward_route, grads, routes)) / scale
+        loss_scale = self.loss_scale() if self.loss_scale is not None else None
+        return torch.cat(self._map(self._backward_route, grads, routes, [loss_scale] * scale)) / scale
 
     def close(self) -> None:
         if self._pool is not None:
@@ -109,18 +118,24 @@ class RemotePipeline(nn.Module):
             route.keys.append(key)
         return compression.deserialize(hidden), route
 
-    def _backward_route(self, grad_outputs: torch.Tensor, route: Route) -> torch.Tensor:
+    def _backward_route(
+        self, grad_outputs: torch.Tensor, route: Route, loss_scale: Optional[float] = None
+    ) -> torch.Tensor:
         grad = compression.serialize(grad_outputs, self.codec)
         for stage in reversed(range(self.num_stages)):
-            grad = self._backward_stage(stage, grad, route)
+            grad = self._backward_stage(stage, grad, route, loss_scale)
         return compression.deserialize(grad)
 
-    def _backward_stage(self, stage: int, grad: runtime_pb2.Tensor, route: Route) -> runtime_pb2.Tensor:
+    def _backward_stage(
+        self, stage: int, grad: runtime_pb2.Tensor, route: Route, loss_scale: Optional[float]
+    ) -> runtime_pb2.Tensor:
         """Backward on the peer that kept the forward; else recompute on a peer of the stage from the input."""
         peer, failed = route.peers[stage], None
+        scaled = {} if loss_scale is None else {"loss_scale": loss_scale}
         if route.keys[stage] is not None:
             try:
-                return self._call(stage, "backward", [grad], prefer=peer, failover=False, kept=route.keys[stage])[0]
+                kept = route.keys[stage]
+                return self._call(stage, "backward", [grad], prefer=peer, failover=False, kept=kept, **scaled)[0]
             except SwarmRequestError:
                 raise
             except ActivationsLostError:
@@ -129,7 +144,7 @@ class RemotePipeline(nn.Module):
                 log.warning("Stage %d: backward on %s failed (%r): recomputing on another peer", stage, peer, e)
                 peer, failed = None, e
             self.router.stats.recomputed += 1
-        grad, retried_on = self._call(stage, "backward", [route.inputs[stage], grad], prefer=peer)
+        grad, retried_on = self._call(stage, "backward", [route.inputs[stage], grad], prefer=peer, **scaled)
         if failed is not None:
             self.router.failed_over(stage, "backward", route.peers[stage], retried_on, failed)
         return grad
@@ -141,7 +156,7 @@ class RemotePipeline(nn.Module):
         messages: list[runtime_pb2.Tensor],
         prefer: Optional[str] = None,
         failover: bool = True,
-        **metadata: Optional[str],
+        **metadata: Union[str, float, None],
     ) -> tuple[runtime_pb2.Tensor, str]:
         """Call ``method`` of ``stage`` (only on ``prefer`` without failover); the reply as it came."""
         self.router.stats.raw_bytes_sent += sum(compression.raw_nbytes(m) for m in messages)
