@@ -28,6 +28,9 @@ FAST = {  # short timeouts so that a test swarm reacts within seconds
 }
 
 
+LOSS_TOLERANCE_8BIT = 0.02  # 12x the largest difference measured over 10 steps
+
+
 def history(path) -> dict:
     with open(path) as f:
         return json.load(f)
@@ -63,15 +66,20 @@ def initial_gpt_state() -> dict:
     ).state_dict()
 
 
-@pytest.mark.parametrize("microbatches", [1, 4])
-def test_exact_against_single_process(swarm, tmp_path, microbatches):
+@pytest.mark.parametrize(
+    "microbatches, precision", [(1, "32-true"), (4, "32-true"), (1, "bf16-mixed"), (1, "bf16-true")]
+)
+def test_exact_against_single_process(swarm, tmp_path, microbatches, precision):
     """Compression off, one peer per stage, one trainer: parameters after k steps, and validation losses computed
     through the swarm (during fit and in a later trainer.validate), equal plain training's; also with each batch
-    split into microbatches in flight (equal up to float summation order)."""
-    args = [*SMALL_GPT, "--max-steps", "6", "--val-every", "3", "--val-batches", "2"]
+    split into microbatches in flight (equal up to float summation order), and under bf16-mixed precision (the
+    stages compute under autocast as the blocks do in plain training)."""
+    args = [*SMALL_GPT, "--max-steps", "6", "--val-every", "3", "--val-batches", "2", "--precision", precision]
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_COMPRESSION": "none", "SWARM_MICROBATCHES": str(microbatches)}
     env["SWARM_DELAYED_UPDATES"] = "false"  # delayed updates apply each step one step late, unlike plain training
-    swarm.start("stage1", SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})
+    swarm.start(
+        "stage1", [*SMALL_GPT, "--precision", precision], env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"}
+    )
     swarm.start(
         "trainer",
         [*args, "--save", str(tmp_path / "swarm.ckpt"), "--history", str(tmp_path / "swarm.json")],
@@ -85,7 +93,8 @@ def test_exact_against_single_process(swarm, tmp_path, microbatches):
     assert swarm_state.keys() == plain_state.keys()
     worst = max((swarm_state[k] - plain_state[k]).abs().max().item() for k in plain_state)
     print(
-        f"exactness ({microbatches} microbatches): max |swarm - plain| over all parameters after 6 steps = {worst:.3g}"
+        f"exactness ({microbatches} microbatches, {precision}): max |swarm - plain| over all parameters after 6 "
+        f"steps = {worst:.3g}"
     )
     # split microbatches sum gradients in another order; Adam turns that rounding into steps of up to lr on
     # parameters whose gradient is zero (the attention's key bias), hence the looser bound
@@ -98,6 +107,24 @@ def test_exact_against_single_process(swarm, tmp_path, microbatches):
     assert len(swarm_history["val_losses"]) == 3  # at steps 3 and 6, then trainer.validate after fit
     assert swarm_history["val_losses"] == pytest.approx(plain_history["val_losses"], abs=loss_tolerance)
     assert swarm_history["losses"] == pytest.approx(plain_history["losses"], abs=loss_tolerance)
+
+
+def test_bf16_mixed_with_8bit_compression_follows_plain_bf16_mixed_training(swarm, tmp_path):
+    """bf16-mixed with the default 8-bit codec (bf16 activations quantized natively): the loss of every step stays
+    within a tolerance of plain bf16-mixed training of the same model and data."""
+    args = [*SMALL_GPT, "--max-steps", "10", "--precision", "bf16-mixed"]
+    env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_COMPRESSION": "8bit", "SWARM_DELAYED_UPDATES": "false"}
+    swarm.start("stage1", args, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})
+    swarm.start("trainer", [*args, "--history", str(tmp_path / "swarm.json")], env={**env, "SWARM_STAGE": "0"})
+    assert swarm.wait("trainer", timeout=240) == 0, swarm.peers["trainer"].log()[-3000:]
+    losses = history(tmp_path / "swarm.json")["losses"]
+    plain = plain_training(args, tmp_path)[1]["losses"]
+    worst = max(abs(a - b) for a, b in zip(losses, plain))
+    print(
+        f"bf16-mixed, 8-bit: max |swarm - plain| loss over 10 steps = {worst:.3g} ({plain[0]:.3f} -> {plain[-1]:.3f})"
+    )
+    assert len(losses) == len(plain) == 10 and plain[0] - plain[-1] > 10 * LOSS_TOLERANCE_8BIT
+    assert worst <= LOSS_TOLERANCE_8BIT
 
 
 def test_four_peers_two_stages_loss_falls(swarm, tmp_path):
