@@ -42,7 +42,7 @@ from torch import nn
 from lightning_swarm import checkpointing, discovery, partitioning, rebalancing, security
 from lightning_swarm.callbacks import dispatch
 from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY
-from lightning_swarm.client.remote_pipeline import RemotePipeline
+from lightning_swarm.client.remote_pipeline import RemotePipeline, check_microbatches
 from lightning_swarm.client.routing import StageRouter
 from lightning_swarm.compression import Codec, check_codec
 from lightning_swarm.discovery import Announcer, PeerRecord, PeerState
@@ -93,8 +93,9 @@ class SwarmStrategy(Strategy):
             serving with the previous parameters; the new ones serve from the first forward after the step
             finished (one step of staleness at most, only for work done during the step). Default True.
         microbatches: a training batch is split into this many microbatches that travel through the stages
-            concurrently, so that one trainer keeps several stages busy (loss and gradients equal the unsplit
-            batch's). Uses the largest divisor of the batch size not above it. Default 1.
+            concurrently, so that one trainer keeps several stages busy and transfers overlap compute (loss and
+            gradients equal the unsplit batch's). Uses the largest divisor of the batch size not above it.
+            Default ``"auto"``: two per stage (``2 * num_stages``), each of at least one sample.
         checkpoint_activations: a stage server keeps only each block's input from a training forward and
             recomputes the block in backward (activation checkpointing): memory stays flat with many microbatches in
             flight, for about one more forward of compute. Default False.
@@ -152,7 +153,7 @@ class SwarmStrategy(Strategy):
         target_batch_size: Optional[int] = None,
         compression: Optional[Codec] = None,
         delayed_updates: Optional[bool] = None,
-        microbatches: Optional[int] = None,
+        microbatches: Optional[Union[int, Literal["auto"]]] = None,
         checkpoint_activations: Optional[bool] = None,
         max_activation_bytes: Optional[int] = None,
         activation_timeout: Optional[float] = None,
@@ -196,9 +197,7 @@ class SwarmStrategy(Strategy):
         self.target_batch_size = _setting("target_batch_size", target_batch_size, int, None)
         self.compression = check_codec(_setting("compression", compression, str, "8bit"))
         self.delayed_updates = _setting("delayed_updates", delayed_updates, _flag, True)
-        self.microbatches = _setting("microbatches", microbatches, int, 1)
-        if self.microbatches < 1:
-            raise ValueError(f"microbatches must be at least 1, got {self.microbatches}")
+        self.microbatches = _setting("microbatches", microbatches, check_microbatches, "auto")
         self.checkpoint_activations = _setting("checkpoint_activations", checkpoint_activations, _flag, False)
         self.max_activation_bytes = _setting("max_activation_bytes", max_activation_bytes, int, 2**30)
         self.activation_timeout = _setting("activation_timeout", activation_timeout, float, 120.0)
