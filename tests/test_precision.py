@@ -5,6 +5,7 @@ and skips a microbatch whose gradients overflowed instead of accumulating it."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 
 import pytest
@@ -13,6 +14,8 @@ from hivemind.proto import runtime_pb2
 from torch import nn
 
 from lightning_swarm import compression, protocol
+from lightning_swarm.client.remote_pipeline import RemotePipeline
+from lightning_swarm.client.routing import RouterStats
 from lightning_swarm.errors import SwarmRequestError
 from lightning_swarm.precision import check_precision
 from lightning_swarm.server.stage_server import StageServer
@@ -204,3 +207,83 @@ def test_non_finite_gradients_without_a_loss_scale_and_bad_loss_scales_are_refus
     for scale in (0, -1.0, math.inf, "8", True):
         with pytest.raises(SwarmRequestError, match="loss_scale must be a positive finite number"):
             ask(server, "backward", [x, x], loss_scale=scale)
+
+
+class InProcessRouter:
+    """Routes every call straight to stage servers in this process, as StageRouter does for a peer's own stage."""
+
+    def __init__(self, servers: list[StageServer]) -> None:
+        self.servers, self.num_stages, self.stats = servers, len(servers), RouterStats()
+
+    def call(self, stage, method, messages, metadata, batch, prefer=None):
+        return self.call_peer(stage, "peer", method, messages, metadata, batch), "peer"
+
+    def call_peer(self, stage, peer, method, messages, metadata, batch):
+        server = self.servers[stage]
+        message = runtime_pb2.ExpertRequest(
+            uid=server.uid, tensors=messages, metadata=protocol.encode_metadata(metadata)
+        )
+        return list(asyncio.run(server.answer(method, message)).tensors)
+
+
+@pytest.mark.parametrize("init_scale", [2.0**12, 2.0**40], ids=["in range", "overflowing"])
+def test_16_mixed_trainer_and_stages_follow_plain_16_mixed_training(make_server, init_scale):
+    """A trainer's 16-mixed step through a remote pipeline of two 16-mixed stage servers, against the same model in
+    one process: the GradScaler's scale travels with the gradients, the stages hold plain training's unscaled
+    parameter gradients and the trainer's local ones are equal (bit for bit); with a scale that overflows fp16, the
+    stages skip the microbatch and the trainer's GradScaler skips its step and lowers the scale, as in plain
+    training."""
+    full = blocks()
+    local_in = nn.Linear(D, D)
+    plain = nn.Sequential(copy.deepcopy(local_in), copy.deepcopy(full))
+    accumulated = []
+    servers = [
+        make_server(copy.deepcopy(full[k : k + 1]), "16-mixed", on_backward=accumulated.append) for k in range(2)
+    ]
+    pipeline = RemotePipeline(InProcessRouter(servers), codec="none", microbatches=1)
+    x = torch.randn(4, 8, D)
+
+    def step(model: nn.Module, scaler: torch.amp.GradScaler) -> torch.optim.Optimizer:
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            loss = model(x).float().square().mean()
+        scaler.scale(loss).backward()
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        return optimizer
+
+    plain_scaler, swarm_scaler = (torch.amp.GradScaler("cpu", init_scale=init_scale) for _ in range(2))
+    pipeline.loss_scale = swarm_scaler.get_scale
+    step(plain, plain_scaler)
+    try:
+        step(nn.Sequential(local_in, pipeline), swarm_scaler)
+    finally:
+        pipeline.close()
+    assert swarm_scaler.get_scale() == plain_scaler.get_scale()
+    overflowed = plain_scaler.get_scale() < init_scale
+    assert overflowed == (init_scale > 2.0**20)
+    assert torch.equal(local_in.weight, plain[0].weight)  # stepped alike, or both skipped
+    if overflowed:
+        assert local_in.weight.grad.isnan().any()
+        assert accumulated == [] and [s.info()["skipped_samples"] for s in servers] == [4, 4]
+        return
+    assert accumulated == [4, 4]
+    assert torch.equal(local_in.weight.grad, plain[0].weight.grad)
+    stage_grads = [p.grad for server in servers for p in server.params]
+    assert all(torch.equal(got, p.grad) for got, p in zip(stage_grads, plain[1].parameters()))
+
+
+def test_the_strategy_sends_the_scale_of_its_grad_scaler_only_under_16_mixed():
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+    from lightning_swarm.strategy import SwarmStrategy
+
+    strategy = SwarmStrategy()
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu")
+    assert strategy._loss_scale() == 2.0**16  # GradScaler's initial scale
+    strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+    assert strategy._loss_scale() is None
+    strategy.precision_plugin = Precision()
+    assert strategy._loss_scale() is None
+    assert check_precision(strategy.precision_plugin.precision) == "32-true"
