@@ -271,6 +271,7 @@ def main() -> None:
     parser.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: never)")
     parser.add_argument("--val-batches", type=int, default=4)
     parser.add_argument("--single", action="store_true", help="plain single-process training, for comparison")
+    parser.add_argument("--precision", default="32-true", help="the Trainer's precision, e.g. bf16-mixed")
     parser.add_argument("--history", help="write this peer's loss history here (JSON)")
     parser.add_argument("--save", help="save the complete model here at the end (a normal Lightning checkpoint)")
     parser.add_argument("--resume", help="continue training from this checkpoint (trainer.fit(ckpt_path=...))")
@@ -284,6 +285,7 @@ def main() -> None:
     trainer = L.Trainer(
         strategy="auto" if args.single else "swarm",
         accelerator="auto",
+        precision=args.precision,
         max_steps=args.max_steps,
         callbacks=[history],
         logger=False,

@@ -81,7 +81,8 @@ def check_run_meta(node: SwarmNode, run_id: str, meta: dict, ttl: float) -> None
         if isinstance(theirs, dict) and theirs != meta:
             raise RuntimeError(
                 f"Run {run_id!r} is already served with a different layout: peer {peer} has {theirs}, this peer "
-                f"has {meta}. Start every peer with the same model, pipeline and num_stages, or use another run_id."
+                f"has {meta}. Start every peer with the same model, pipeline, num_stages and precision, or use "
+                f"another run_id."
             )
     node.dht_store(meta_key(run_id), str(node.peer_id), meta, ttl)
 

@@ -42,7 +42,7 @@ from torch import nn
 from lightning_swarm import checkpointing, discovery, partitioning, rebalancing, security
 from lightning_swarm.callbacks import dispatch
 from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY
-from lightning_swarm.client.remote_pipeline import RemotePipeline
+from lightning_swarm.client.remote_pipeline import RemotePipeline, check_microbatches
 from lightning_swarm.client.routing import StageRouter
 from lightning_swarm.compression import Codec, check_codec
 from lightning_swarm.discovery import Announcer, PeerRecord, PeerState
@@ -50,6 +50,7 @@ from lightning_swarm.errors import StageUnavailableError
 from lightning_swarm.events import EventQueue, PeerJoined, PeerLeft, StageChanged, StageStep
 from lightning_swarm.node import LOOPBACK_MADDRS, SwarmNode, kill_daemon
 from lightning_swarm.optimizer import restrict_to, swarm_optimizer
+from lightning_swarm.precision import check_precision
 from lightning_swarm.rebalancing import Move, Plan, Rebalancer
 from lightning_swarm.security import AccessPolicy
 from lightning_swarm.server.stage_server import StageServer
@@ -92,8 +93,9 @@ class SwarmStrategy(Strategy):
             serving with the previous parameters; the new ones serve from the first forward after the step
             finished (one step of staleness at most, only for work done during the step). Default True.
         microbatches: a training batch is split into this many microbatches that travel through the stages
-            concurrently, so that one trainer keeps several stages busy (loss and gradients equal the unsplit
-            batch's). Uses the largest divisor of the batch size not above it. Default 1.
+            concurrently, so that one trainer keeps several stages busy and transfers overlap compute (loss and
+            gradients equal the unsplit batch's). Uses the largest divisor of the batch size not above it.
+            Default ``"auto"``: two per stage (``2 * num_stages``), each of at least one sample.
         checkpoint_activations: a stage server keeps only each block's input from a training forward and
             recomputes the block in backward (activation checkpointing): memory stays flat with many microbatches in
             flight, for about one more forward of compute. Default False.
@@ -153,7 +155,7 @@ class SwarmStrategy(Strategy):
         target_batch_size: Optional[int] = None,
         compression: Optional[Codec] = None,
         delayed_updates: Optional[bool] = None,
-        microbatches: Optional[int] = None,
+        microbatches: Optional[Union[int, Literal["auto"]]] = None,
         checkpoint_activations: Optional[bool] = None,
         max_activation_bytes: Optional[Union[int, Literal["auto"]]] = None,
         activation_timeout: Optional[float] = None,
@@ -197,9 +199,7 @@ class SwarmStrategy(Strategy):
         self.target_batch_size = _setting("target_batch_size", target_batch_size, int, None)
         self.compression = check_codec(_setting("compression", compression, str, "8bit"))
         self.delayed_updates = _setting("delayed_updates", delayed_updates, _flag, True)
-        self.microbatches = _setting("microbatches", microbatches, int, 1)
-        if self.microbatches < 1:
-            raise ValueError(f"microbatches must be at least 1, got {self.microbatches}")
+        self.microbatches = _setting("microbatches", microbatches, check_microbatches, "auto")
         self.checkpoint_activations = _setting("checkpoint_activations", checkpoint_activations, _flag, False)
         self.max_activation_bytes = _setting("max_activation_bytes", max_activation_bytes, _bytes_or_auto, None)
         self.activation_timeout = _setting("activation_timeout", activation_timeout, float, 120.0)
@@ -355,6 +355,7 @@ class SwarmStrategy(Strategy):
             raise ValueError(
                 "SwarmStrategy accumulates gradients towards target_batch_size: leave accumulate_grad_batches=1"
             )
+        check_precision(self.precision_plugin.precision)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._partition_and_serve(trainer, fitting)
         super().setup(trainer)
@@ -549,6 +550,7 @@ class SwarmStrategy(Strategy):
         if self._pipeline_name is None:
             self._partition(module)
         layout = {"num_stages": self.num_stages, "spans": [[s.start, s.end] for s in self._spans]}
+        layout["precision"] = self.precision_plugin.precision  # peers computing in another precision are refused
         self._layout = layout
         discovery.check_run_meta(self.node, self.run_id, layout, ttl=max(60.0, 6 * self.update_period))
         if self._stage_module is not None:
@@ -570,7 +572,8 @@ class SwarmStrategy(Strategy):
         )
         self.router.local_server = self.server
         self.router.on_event = self.events.emit
-        setattr(module, self._pipeline_name, RemotePipeline(self.router, self.compression, self.microbatches))
+        remote = RemotePipeline(self.router, self.compression, self.microbatches, loss_scale=self._loss_scale)
+        setattr(module, self._pipeline_name, remote)
         self._watch_swarm(rebalance=fitting and self.server is not None and self.rebalance_period > 0)
 
     def _partition(self, module: LightningModule) -> None:
@@ -594,10 +597,16 @@ class SwarmStrategy(Strategy):
         _materialize_meta_tensors(module, self.root_device)  # the local modules, if built on the meta device
 
     def _materialize_stage(self, stage: int) -> nn.Module:
-        """The blocks of ``stage`` on this peer's device (freshly initialised if they were on the meta device)."""
+        """The blocks of ``stage`` on this peer's device (freshly initialised if they were on the meta device), in
+        the dtype of the Trainer's precision (``-true``), as Lightning converts the whole model in plain training."""
         blocks = partitioning.stage_module(self._blueprint, self._spans[stage])
         _materialize_meta_tensors(blocks, self.root_device)
-        return blocks.to(self.root_device)
+        return self.precision_plugin.convert_module(blocks).to(self.root_device)
+
+    def _loss_scale(self) -> Optional[float]:
+        """The current scale of the Trainer's GradScaler (``16-mixed``), sent with gradients to stage servers."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return None if scaler is None else scaler.get_scale()
 
     def _choose_stage(self) -> int:
         """The given stage, else a bottleneck stage: the lowest summed throughput (a stage without peers first)."""
@@ -652,6 +661,7 @@ class SwarmStrategy(Strategy):
             throttle=self.throttle,
             policy=self.node.policy,
             optimizer_state=optimizer.state_dict if optimizer is not None else None,
+            precision=self.precision_plugin.precision,
         )
         self._joining = True
         self._announcer = self._make_announcer()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import lightning as L
@@ -17,7 +18,8 @@ from torch import nn
 
 import lightning_swarm
 from lightning_swarm import compression, partitioning, protocol
-from lightning_swarm.client.routing import PeerLoad, StageRouter
+from lightning_swarm.client.remote_pipeline import RemotePipeline, microbatch_count
+from lightning_swarm.client.routing import PeerLoad, RouterStats, StageRouter
 from lightning_swarm.discovery import PeerRecord, PeerState
 from lightning_swarm.launch import Peer
 from lightning_swarm.strategy import SwarmStrategy
@@ -47,6 +49,7 @@ def test_arguments_win_over_environment(monkeypatch):
         (dict(run_id="a.b"), "run_id"),
         (dict(num_stages=0), "num_stages"),
         (dict(microbatches=0), "microbatches"),
+        (dict(microbatches="some"), "microbatches"),
         (dict(delayed_updates="maybe"), "boolean"),
         (dict(role="boss"), "role"),
         (dict(num_stages=2, stage=2), "stage=2"),
@@ -336,3 +339,71 @@ def test_peer_log_drops_torch_kernel_listings_printed_or_escaped_in_a_remote_err
     log.write_text(f"Traceback\nNotImplementedError: Could not run 'x::y'.\n{listing}P2PHandlerError('z.\\n{escaped}')\nend\n")
     peer = Peer("p", None, log, tmp_path / "p.addr")
     assert peer.log() == "Traceback\nNotImplementedError: Could not run 'x::y'.\nP2PHandlerError('z.\\n')\nend\n"
+
+
+@pytest.mark.parametrize(
+    "batch_size, microbatches, num_stages, count",
+    [
+        (16, "auto", 2, 4),  # two per stage
+        (16, "auto", 4, 8),
+        (8, "auto", 1, 2),
+        (6, "auto", 2, 3),  # the largest divisor of the batch size not above 2 * num_stages
+        (7, "auto", 2, 1),
+        (3, "auto", 4, 3),  # never below one sample each
+        (1, "auto", 3, 1),
+        (16, 3, 2, 2),  # an explicit count wins, as a divisor
+        (16, 1, 4, 1),
+        (12, 8, 2, 6),
+    ],
+)
+def test_microbatch_count(batch_size, microbatches, num_stages, count):
+    assert microbatch_count(batch_size, microbatches, num_stages) == count
+
+
+def test_microbatches_default_to_auto_from_arguments_or_environment(monkeypatch):
+    assert SwarmStrategy().microbatches == "auto"
+    assert SwarmStrategy(microbatches=3).microbatches == 3
+    monkeypatch.setenv("SWARM_MICROBATCHES", " Auto ")
+    assert SwarmStrategy().microbatches == "auto"
+    monkeypatch.setenv("SWARM_MICROBATCHES", "5")
+    assert SwarmStrategy().microbatches == 5 and SwarmStrategy(microbatches="auto").microbatches == "auto"
+    for bad in ("0", "many", "-2"):
+        monkeypatch.setenv("SWARM_MICROBATCHES", bad)
+        with pytest.raises(ValueError, match="microbatches must be 'auto' or at least 1"):
+            SwarmStrategy()
+
+
+class EchoRouter:
+    """Stands in for a StageRouter: every stage answers its input back after a while; records the calls' batch
+    sizes and how many were in flight at once."""
+
+    num_stages = 2
+
+    def __init__(self) -> None:
+        self.stats, self.lock, self.active, self.most, self.batches = RouterStats(), threading.Lock(), 0, 0, []
+
+    def call(self, stage, method, messages, metadata, batch, prefer=None):
+        with self.lock:
+            self.active += 1
+            self.most = max(self.most, self.active)
+            self.batches.append(batch)
+        time.sleep(0.05)
+        with self.lock:
+            self.active -= 1
+        return [messages[-1]], "peer"
+
+
+def test_auto_microbatches_are_resolved_per_batch_and_travel_concurrently():
+    """One pipeline, batches of different sizes: each is split by the rule, all its microbatches in flight at once."""
+    router = EchoRouter()
+    pipeline = RemotePipeline(router, codec="none")
+    try:
+        for batch_size, count in [(8, 4), (6, 3), (5, 1)]:
+            router.batches, router.most = [], 0
+            x = torch.randn(batch_size, 3)
+            with torch.no_grad():
+                assert torch.equal(pipeline(x), x)
+            assert router.batches == [batch_size // count] * count * router.num_stages
+            assert router.most == count
+    finally:
+        pipeline.close()

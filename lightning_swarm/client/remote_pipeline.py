@@ -10,9 +10,10 @@ Activations and gradients are encoded once, where they are made: a stage's reply
 came, compressed, and only the pipeline's output and input gradient are decoded here.
 
 A batch is split into equal microbatches that travel through the stages concurrently (each on its own route), so
-that one trainer keeps several stages busy at once. Outputs and input gradients are concatenated back, so the loss
-and the gradients equal the unsplit batch's: each microbatch's output gradient is scaled to be that of its own
-mean loss, which is what the stage optimizers accumulate, and the returned gradient is scaled back.
+that one trainer keeps several stages busy at once and their transfers overlap other microbatches' compute: by
+default (``"auto"``) two per stage (:func:`microbatch_count`). Outputs and input gradients are concatenated back,
+so the loss and the gradients equal the unsplit batch's: each microbatch's output gradient is scaled to be that of
+its own mean loss, which is what the stage optimizers accumulate, and the returned gradient is scaled back.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Literal, Optional, TypeVar, Union
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -33,6 +34,34 @@ from lightning_swarm.errors import ActivationsLostError, SwarmRequestError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+Microbatches = Union[int, Literal["auto"]]
+AUTO_MICROBATCHES_PER_STAGE = 2  # one in each stage's compute, one in transfer: every stage stays busy
+MIN_MICROBATCH_SIZE = 1  # samples
+
+
+def microbatch_count(batch_size: int, microbatches: Microbatches, num_stages: int) -> int:
+    """How many equal microbatches a batch of ``batch_size`` samples is split into: the largest divisor of the
+    batch size not above ``microbatches``; ``"auto"``: not above ``AUTO_MICROBATCHES_PER_STAGE * num_stages``, nor
+    making microbatches smaller than ``MIN_MICROBATCH_SIZE`` samples."""
+    if microbatches == "auto":
+        wanted = min(AUTO_MICROBATCHES_PER_STAGE * num_stages, batch_size // MIN_MICROBATCH_SIZE)
+    else:
+        wanted = microbatches
+    return max(d for d in range(1, min(wanted, batch_size) + 1) if batch_size % d == 0)
+
+
+def check_microbatches(value: Union[int, str]) -> Microbatches:
+    """``"auto"`` or a count of at least 1 (from an argument or an environment variable), else a ``ValueError``."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        count = 0
+    if count < 1:
+        raise ValueError(f"microbatches must be 'auto' or at least 1, got {value!r}")
+    return count
 
 
 @dataclass
@@ -50,14 +79,25 @@ class RemotePipeline(nn.Module):
 
     Args:
         microbatches: a batch is split into this many equal microbatches in flight at once (fewer when the batch
-            size is not a multiple: the largest divisor of the batch size not above it).
+            size is not a multiple: the largest divisor of the batch size not above it), or ``"auto"``: see
+            :func:`microbatch_count`.
+        loss_scale: returns the scale of the trainer's GradScaler (``16-mixed``), or None: the gradients sent to
+            the stages are scaled by it, and it travels with them so that the stages unscale theirs.
     """
 
-    def __init__(self, router: StageRouter, codec: str = "8bit", microbatches: int = 1) -> None:
+    def __init__(
+        self,
+        router: StageRouter,
+        codec: str = "8bit",
+        microbatches: Microbatches = "auto",
+        loss_scale: Optional[Callable[[], Optional[float]]] = None,
+    ) -> None:
         super().__init__()
-        self.router, self.microbatches = router, microbatches
+        self.router, self.microbatches, self.loss_scale = router, check_microbatches(microbatches), loss_scale
         self.codec = compression.check_codec(codec)
-        self._pool = ThreadPoolExecutor(microbatches, "swarm-microbatch") if microbatches > 1 else None
+        # the count is resolved per batch; the pool starts threads only as microbatches need them
+        most = AUTO_MICROBATCHES_PER_STAGE * router.num_stages if self.microbatches == "auto" else self.microbatches
+        self._pool = ThreadPoolExecutor(most, "swarm-microbatch") if most > 1 else None
         # a leaf that requires grad, so that backward reaches the stages even when the input needs no gradient
         self.register_buffer("_grad_anchor", torch.empty(0), persistent=False)
 
@@ -83,7 +123,8 @@ class RemotePipeline(nn.Module):
         """Backward through every stage along the routes of ``run_forward``, microbatches concurrently."""
         scale = len(routes)  # equal microbatches: the gradient of a microbatch's own mean loss is scale times its part
         grads = [grad * scale for grad in grad_outputs.detach().chunk(scale)]
-        return torch.cat(self._map(self._backward_route, grads, routes)) / scale
+        loss_scale = self.loss_scale() if self.loss_scale is not None else None
+        return torch.cat(self._map(self._backward_route, grads, routes, [loss_scale] * scale)) / scale
 
     def close(self) -> None:
         if self._pool is not None:
@@ -91,8 +132,7 @@ class RemotePipeline(nn.Module):
 
     def _split(self, inputs: torch.Tensor) -> list[torch.Tensor]:
         size = inputs.shape[0] if inputs.ndim else 1
-        count = max(d for d in range(1, min(self.microbatches, size) + 1) if size % d == 0)
-        return list(inputs.chunk(count))
+        return list(inputs.chunk(microbatch_count(size, self.microbatches, self.num_stages)))
 
     def _map(self, fn: Callable[..., T], *iterables: list) -> list[T]:
         if self._pool is None or len(iterables[0]) == 1:
@@ -109,18 +149,24 @@ class RemotePipeline(nn.Module):
             route.keys.append(key)
         return compression.deserialize(hidden), route
 
-    def _backward_route(self, grad_outputs: torch.Tensor, route: Route) -> torch.Tensor:
+    def _backward_route(
+        self, grad_outputs: torch.Tensor, route: Route, loss_scale: Optional[float] = None
+    ) -> torch.Tensor:
         grad = compression.serialize(grad_outputs, self.codec)
         for stage in reversed(range(self.num_stages)):
-            grad = self._backward_stage(stage, grad, route)
+            grad = self._backward_stage(stage, grad, route, loss_scale)
         return compression.deserialize(grad)
 
-    def _backward_stage(self, stage: int, grad: runtime_pb2.Tensor, route: Route) -> runtime_pb2.Tensor:
+    def _backward_stage(
+        self, stage: int, grad: runtime_pb2.Tensor, route: Route, loss_scale: Optional[float]
+    ) -> runtime_pb2.Tensor:
         """Backward on the peer that kept the forward; else recompute on a peer of the stage from the input."""
         peer, failed = route.peers[stage], None
+        scaled = {} if loss_scale is None else {"loss_scale": loss_scale}
         if route.keys[stage] is not None:
             try:
-                return self._call(stage, "backward", [grad], prefer=peer, failover=False, kept=route.keys[stage])[0]
+                kept = route.keys[stage]
+                return self._call(stage, "backward", [grad], prefer=peer, failover=False, kept=kept, **scaled)[0]
             except SwarmRequestError:
                 raise
             except ActivationsLostError:
@@ -129,7 +175,7 @@ class RemotePipeline(nn.Module):
                 log.warning("Stage %d: backward on %s failed (%r): recomputing on another peer", stage, peer, e)
                 peer, failed = None, e
             self.router.stats.recomputed += 1
-        grad, retried_on = self._call(stage, "backward", [route.inputs[stage], grad], prefer=peer)
+        grad, retried_on = self._call(stage, "backward", [route.inputs[stage], grad], prefer=peer, **scaled)
         if failed is not None:
             self.router.failed_over(stage, "backward", route.peers[stage], retried_on, failed)
         return grad
@@ -141,7 +187,7 @@ class RemotePipeline(nn.Module):
         messages: list[runtime_pb2.Tensor],
         prefer: Optional[str] = None,
         failover: bool = True,
-        **metadata: Optional[str],
+        **metadata: Union[str, float, None],
     ) -> tuple[runtime_pb2.Tensor, str]:
         """Call ``method`` of ``stage`` (only on ``prefer`` without failover); the reply as it came."""
         self.router.stats.raw_bytes_sent += sum(compression.raw_nbytes(m) for m in messages)

@@ -9,6 +9,8 @@ when the first peer died or dropped the graph). Backward hands the parameter gra
 accumulates them towards the stage's target batch size) and returns the gradient of the input.
 A request that fails validation or computation leaves the stage's parameters and accumulated gradients untouched;
 one that runs out of memory is answered "busy" (the caller tries another peer, or waits), once what it held is freed.
+The stage computes in the Trainer's precision (:mod:`~lightning_swarm.precision`); under ``16-mixed`` a backward
+carries the trainer's loss scale (:meth:`StageServer._backward_through` says how it is used).
 The throughput a server publishes is measured on its requests' compute, the device synchronised.
 """
 
@@ -33,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_swarm import compression, protocol, security
 from lightning_swarm.errors import ActivationsLostError, NotServingError, StageBusyError, SwarmRequestError
+from lightning_swarm.precision import activation_dtypes, autocast, parameter_dtype, unscale_
 from lightning_swarm.security import AccessPolicy, PeerNotAllowedError
 from lightning_swarm.server import device_memory
 from lightning_swarm.server.kept_activations import Kept, KeptActivations, counting_saved_bytes, default_max_bytes
@@ -76,6 +79,8 @@ class StageServer(ServicerBase):
         throttle: slow this peer down on purpose by this factor (after each request the worker waits
             ``throttle - 1`` times the request's compute time), to show or test a swarm of unequal peers on one
             machine. Default 1: full speed.
+        precision: the Trainer's precision (see :mod:`~lightning_swarm.precision`): ``-mixed`` runs the forward
+            under autocast; ``-true`` needs ``module`` in that dtype already. Decides the dtypes accepted.
     """
 
     def __init__(
@@ -97,9 +102,19 @@ class StageServer(ServicerBase):
         throttle: float = 1.0,
         policy: Optional[AccessPolicy] = None,
         optimizer_state: Optional[Callable[[], dict]] = None,
+        precision: str = "32-true",
     ) -> None:
         if throttle < 1:
             raise ValueError(f"throttle must be at least 1 (a slowdown factor), got {throttle}")
+        self.precision = precision
+        self.activation_dtypes = activation_dtypes(precision)  # what requests may carry
+        self.dtype = parameter_dtype(precision)
+        wrong = {p.dtype for p in module.parameters() if p.is_floating_point()} - {self.dtype}
+        if wrong:
+            raise ValueError(
+                f"precision={precision!r} needs the stage's parameters in {self.dtype}, found "
+                f"{sorted(map(str, wrong))}: convert the module first (the precision plugin's convert_module)"
+            )
         self.run_id, self.stage, self.uid = run_id, stage, stage_uid(run_id, stage)
         self.module, self.device, self.on_backward = module, device, on_backward
         self.on_idle, self.idle_period, self.describe = on_idle, idle_period, describe
@@ -113,13 +128,12 @@ class StageServer(ServicerBase):
         self.policy = policy  # callers off its allow-list, or without the swarm's secret, are refused
         self.optimizer_state = optimizer_state  # the stage optimizer's state dict, for complete checkpoints
         self.params = [p for p in module.parameters() if p.requires_grad]
-        floating = [p.dtype for p in module.parameters() if p.is_floating_point()]
-        self.dtype = floating[0] if floating else torch.get_default_dtype()
         self.throughput = PerformanceEMA(alpha=0.1)
         self.lock = threading.Lock()  # held by the worker while it computes; others take it to read the state
         self._tasks: queue.Queue = queue.Queue(maxsize=max_queue)
         self._queued_samples = 0
         self.backward_samples = 0  # samples whose gradients reached the stage optimizer
+        self.skipped_samples = 0  # samples whose gradients were not finite (16-mixed overflow): not accumulated
         self._worker = threading.Thread(target=self._work, name=f"stage{stage}-worker", daemon=True)
         self._worker.start()
 
@@ -169,6 +183,7 @@ class StageServer(ServicerBase):
             queued_samples=self._queued_samples,
             throughput=self.throughput.samples_per_second if self.throughput.num_updates else 0.0,
             backward_samples=self.backward_samples,
+            skipped_samples=self.skipped_samples,
             kept_bytes=self.kept.nbytes,
             kept_forwards=len(self.kept),
             device_memory=device_memory.usage(self.device),
@@ -211,11 +226,15 @@ class StageServer(ServicerBase):
             expected = 1 if kind == "forward" or key is not None else 2
             if len(request.tensors) != expected:
                 raise SwarmRequestError(f"{kind} expects {expected} tensor(s), got {len(request.tensors)}")
+            loss_scale = self._loss_scale(kind, metadata)
+            # a scaled gradient may have overflowed upstream: a backward with it is skipped, not refused
+            finite = [True] * (expected - 1) + [loss_scale is None]
             loop = asyncio.get_running_loop()  # decoding and encoding run beside it, not on it
-            tensors = await loop.run_in_executor(None, lambda: [self._decode(t) for t in request.tensors])
+            tensors = await loop.run_in_executor(None, lambda: list(map(self._decode, request.tensors, finite)))
             batch = int(tensors[0].shape[0]) if tensors[0].ndim else 1
             train = bool(metadata.get("train", True))
-            future = self._submit(kind, tensors, train, batch, None if key is None else (str(caller), key))
+            caller_key = None if key is None else (str(caller), key)
+            future = self._submit(kind, tensors, train, batch, caller_key, loss_scale)
             output = await asyncio.wrap_future(future)
             encoded = await loop.run_in_executor(None, compression.serialize, output, codec)
         except (ActivationsLostError, NotServingError):
@@ -248,9 +267,19 @@ class StageServer(ServicerBase):
             raise NotServingError(f"this peer no longer serves {uid!r}: it serves {self.uid!r}")
         raise SwarmRequestError(f"unknown stage {uid!r}: this peer serves {self.uid!r}")
 
-    def _decode(self, message: runtime_pb2.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _loss_scale(kind: str, metadata: dict) -> Optional[float]:
+        """The loss scale a backward's gradient carries (``16-mixed``), or None."""
+        scale = metadata.get("loss_scale")
+        if scale is None or kind != "backward":
+            return None
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+            raise SwarmRequestError(f"loss_scale must be a positive finite number, got {scale!r}")
+        return float(scale)
+
+    def _decode(self, message: runtime_pb2.Tensor, finite: bool = True) -> torch.Tensor:
         numel = math.prod(message.size)
-        if numel * torch.finfo(self.dtype).bits // 8 > self.max_request_bytes:
+        if numel * max(d.itemsize for d in self.activation_dtypes) > self.max_request_bytes:
             raise SwarmRequestError(
                 f"tensor of shape {list(message.size)} exceeds the cap of {self.max_request_bytes} bytes"
             )
@@ -262,18 +291,25 @@ class StageServer(ServicerBase):
             raise SwarmRequestError(f"undecodable tensor: {e!r}") from None
         if tensor.numel() == 0:  # costs no bytes whatever its batch dimension, which would count as samples
             raise SwarmRequestError(f"empty tensor of shape {list(tensor.shape)}")
-        if tensor.dtype != self.dtype:
-            raise SwarmRequestError(f"expected a {self.dtype} tensor, got {tensor.dtype}")
-        if not torch.isfinite(tensor).all():
+        if tensor.dtype not in self.activation_dtypes:
+            expected = " or ".join(map(str, self.activation_dtypes))
+            raise SwarmRequestError(f"expected a {expected} tensor, got {tensor.dtype} (precision {self.precision})")
+        if finite and not torch.isfinite(tensor).all():
             raise SwarmRequestError("tensor contains NaN or Inf")
         return tensor
 
     def _submit(
-        self, kind: str, tensors: list[torch.Tensor], train: bool, batch: int, key: Optional[tuple[str, str]]
+        self,
+        kind: str,
+        tensors: list[torch.Tensor],
+        train: bool,
+        batch: int,
+        key: Optional[tuple[str, str]],
+        loss_scale: Optional[float] = None,
     ) -> Future:
         future: Future = Future()
         try:
-            self._tasks.put_nowait((kind, tensors, train, batch, key, future))
+            self._tasks.put_nowait((kind, tensors, train, batch, key, loss_scale, future))
         except queue.Full:
             raise StageBusyError(f"stage {self.stage} is busy ({self._tasks.maxsize} requests queued)") from None
         self._queued_samples += batch
@@ -293,7 +329,14 @@ class StageServer(ServicerBase):
             del task  # the request's tensors: not held while the worker waits for the next one
 
     def _serve(
-        self, kind: str, tensors: list[torch.Tensor], train: bool, batch: int, key: Optional[tuple], future: Future
+        self,
+        kind: str,
+        tensors: list[torch.Tensor],
+        train: bool,
+        batch: int,
+        key: Optional[tuple],
+        loss_scale: Optional[float],
+        future: Future,
     ) -> None:
         """Compute one request on the worker and answer it (its tensors are freed once this returns)."""
         self._queued_samples -= batch
@@ -304,7 +347,7 @@ class StageServer(ServicerBase):
         try:
             with self.lock:
                 self.module.train(train)
-                output = self._compute(kind, tensors, key)
+                output, accumulate = self._compute(kind, tensors, key, loss_scale)
             self._synchronize()  # the time below is the compute's, not that of launching its kernels
         except (SwarmRequestError, ActivationsLostError) as e:
             future.set_exception(e)
@@ -323,10 +366,12 @@ class StageServer(ServicerBase):
         if self.throttle > 1:
             time.sleep((self.throttle - 1) * (time.perf_counter() - start))
         self.throughput.update(batch, interval=time.perf_counter() - start)  # compute only, not the step below
-        if kind == "backward":
-            self.backward_samples += batch
+        if kind == "backward" and not accumulate:
+            self.skipped_samples += batch
+            log.info("Stage %d: gradients not finite under loss scale %s: microbatch skipped", self.stage, loss_scale)
+        self.backward_samples += batch if accumulate else 0
         future.set_result(output)  # the caller goes on while the stage optimizer takes its turn
-        if kind == "backward":
+        if accumulate:
             self._hand_over_gradients(batch)
 
     def _synchronize(self) -> None:
@@ -360,16 +405,23 @@ class StageServer(ServicerBase):
         except Exception as e:  # the next idle period tries again; requests must keep being served
             log.warning("Stage %d: idle-time work failed: %r", self.stage, e)
 
-    def _compute(self, kind: str, tensors: list[torch.Tensor], key: Optional[tuple[str, str]]) -> torch.Tensor:
+    def _compute(
+        self, kind: str, tensors: list[torch.Tensor], key: Optional[tuple[str, str]], loss_scale: Optional[float]
+    ) -> tuple[torch.Tensor, bool]:
+        """The request's output, and whether the parameters' ``.grad`` now hold gradients to accumulate."""
         if kind == "forward":
             if self.refresh_parameters is not None:
                 self.refresh_parameters(False)
-            return self._forward(tensors[0]) if key is None else self._forward_and_keep(tensors[0], key)
-        return self._backward(*tensors) if key is None else self._backward_kept(key, tensors[0])
+            output = self._forward(tensors[0]) if key is None else self._forward_and_keep(tensors[0], key)
+            return output, False
+        if key is None:
+            return self._backward(*tensors, loss_scale=loss_scale)
+        return self._backward_kept(key, tensors[0], loss_scale)
 
     @torch.no_grad()
     def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.module(inputs.to(self.device))
+        with autocast(self.precision, self.device):
+            return self.module(inputs.to(self.device))
 
     def _forward_and_keep(self, inputs: torch.Tensor, key: tuple[str, str]) -> torch.Tensor:
         inputs = inputs.to(self.device).requires_grad_()
@@ -381,18 +433,22 @@ class StageServer(ServicerBase):
         return outputs.detach()
 
     def _run(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The stage's forward with autograd on, block by block under checkpointing if that is on."""
-        if not self.checkpoint_activations:
-            return self.module(inputs)
-        hidden = inputs
-        for block in self.module.children() if isinstance(self.module, nn.Sequential) else [self.module]:
-            hidden = checkpoint(block, hidden, use_reentrant=False)
-        return hidden
+        """The stage's forward with autograd on, block by block under checkpointing if that is on (whose
+        recomputation restores the autocast state of the forward)."""
+        with autocast(self.precision, self.device):
+            if not self.checkpoint_activations:
+                return self.module(inputs)
+            hidden = inputs
+            for block in self.module.children() if isinstance(self.module, nn.Sequential) else [self.module]:
+                hidden = checkpoint(block, hidden, use_reentrant=False)
+            return hidden
 
     def _params_version(self) -> int:
         return sum(p._version for p in self.params)
 
-    def _backward_kept(self, key: tuple[str, str], grad_outputs: torch.Tensor) -> torch.Tensor:
+    def _backward_kept(
+        self, key: tuple[str, str], grad_outputs: torch.Tensor, loss_scale: Optional[float]
+    ) -> tuple[torch.Tensor, bool]:
         kept = self.kept.pop(key)
         if kept is None:
             raise ActivationsLostError(f"stage {self.stage} no longer holds this forward's activations")
@@ -400,28 +456,45 @@ class StageServer(ServicerBase):
             # the stage stepped since this forward: autograd refuses a graph whose saved parameters changed; the old
             # graph is let go before the forward is recomputed
             inputs, kept = kept.inputs.detach(), None
-            return self._backward(inputs, grad_outputs)
-        return self._backward_through(kept.inputs, kept.outputs, grad_outputs)
+            return self._backward(inputs, grad_outputs, loss_scale)
+        return self._backward_through(kept.inputs, kept.outputs, grad_outputs, loss_scale)
 
-    def _backward(self, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> torch.Tensor:
+    def _backward(
+        self, inputs: torch.Tensor, grad_outputs: torch.Tensor, loss_scale: Optional[float] = None
+    ) -> tuple[torch.Tensor, bool]:
         inputs = inputs.to(self.device).requires_grad_()
         with torch.enable_grad():
             outputs = self._run(inputs)
-        return self._backward_through(inputs, outputs, grad_outputs)
+        return self._backward_through(inputs, outputs, grad_outputs, loss_scale)
 
     def _backward_through(
-        self, inputs: torch.Tensor, outputs: torch.Tensor, grad_outputs: torch.Tensor
-    ) -> torch.Tensor:
+        self, inputs: torch.Tensor, outputs: torch.Tensor, grad_outputs: torch.Tensor, loss_scale: Optional[float]
+    ) -> tuple[torch.Tensor, bool]:
+        """The input's gradient, and whether the parameters' ``.grad`` were set (to accumulate).
+
+        ``16-mixed``: the trainer's GradScaler scaled the loss, so ``grad_outputs`` arrive multiplied by the
+        ``loss_scale`` the trainer sends. The backward runs on them as they are (the scale is what keeps fp16
+        gradients from underflowing, as in plain training), then the parameter gradients are unscaled here as
+        ``GradScaler.unscale_`` would, so that the stage optimizer steps on true gradients. When a parameter
+        gradient or the input's gradient is not finite (an overflow, here or in a later stage), nothing is
+        accumulated and the input's gradient comes back as NaN: earlier stages skip the microbatch too, and the
+        trainer's GradScaler finds NaN in its own gradients, skips its step and lowers the scale, as one overflow
+        anywhere does in plain training. (Scaling on each server instead would send unscaled fp16 gradients, which
+        underflow on the way.)
+        """
         if grad_outputs.shape != outputs.shape:
             raise SwarmRequestError(
                 f"gradient of shape {list(grad_outputs.shape)} does not match the output {list(outputs.shape)}"
             )
         # gradients are computed apart and handed over only once all of them exist: a failure leaves no trace
-        grads = torch.autograd.grad(outputs, [inputs, *self.params], grad_outputs.to(self.device), allow_unused=True)
-        grads_of_params = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads[1:])]
-        for param, grad in zip(self.params, grads_of_params):
+        grad_outputs = grad_outputs.to(self.device, outputs.dtype)
+        grads = torch.autograd.grad(outputs, [inputs, *self.params], grad_outputs, allow_unused=True)
+        param_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads[1:])]
+        if loss_scale is not None and not (unscale_(param_grads, loss_scale) and torch.isfinite(grads[0]).all()):
+            return torch.full_like(grads[0], math.nan), False
+        for param, grad in zip(self.params, param_grads):
             param.grad = grad
-        return grads[0]
+        return grads[0], True
 
     def _hand_over_gradients(self, batch: int) -> None:
         """After a backward was answered: the stage optimizer accumulates its gradients (and steps)."""
