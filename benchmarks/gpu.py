@@ -2,50 +2,55 @@
 peak GPU memory.
 
 examples/gpt.py with 8 blocks, d_model 1024, 2048 and 4096 (64 dimensions per head), batch 8 x 512 tokens. Plain:
-``gpt.py --single`` on the GPU. Swarm: one serve-only peer per stage and one drive-only trainer, all on the same
+`gpt.py --single` on the GPU. Swarm: one serve-only peer per stage and one drive-only trainer, all on the same
 GPU, so plain training is the ceiling (the same GPU does the same compute); 8-bit wire, an optimizer step every
-batch, synchronous or delayed stage updates, the strategy's default microbatches (``--microbatches`` sets them).
-Precision through Lightning's ``PL_TRAINER_PRECISION`` (``32-true``, ``bf16-mixed``). Each run trains warm-up
+batch, synchronous or delayed stage updates, the strategy's default microbatches (`--microbatches` sets them).
+Precision through Lightning's `PL_TRAINER_PRECISION` (`32-true`, `bf16-mixed`). Each run trains warm-up
 batches, then timed batches: samples/s over the timed ones, from the trainer's own step times. Peak GPU memory per
-process: torch's ``max_memory_reserved`` and ``max_memory_allocated`` as the process reports them itself
-(examples/gpt.py with ``GPT_CUDA_MEMORY_DIR``), and the most ``nvidia-smi --query-compute-apps`` showed for its pid,
+process: torch's `max_memory_reserved` and `max_memory_allocated` as the process reports them itself
+(examples/gpt.py with `GPT_CUDA_MEMORY_DIR`), and the most `nvidia-smi --query-compute-apps` showed for its pid,
 polled every 0.5 s. A run that runs out of memory (plain, or any swarm process) is reported as "out of memory"
-with the processes whose logs say so; any other failure or a run past ``--timeout`` is reported too, and the
+with the processes whose logs say so; any other failure or a run past `--timeout` is reported too, and the
 benchmark goes on with the next run. Every run's peers are stopped by their process groups before the next one
-starts, also on an error or SIGTERM. Figures are merged into ``results/gpu.json`` beside ``--out`` (a run replaces
-the earlier figures of the same configuration), and the ``gpu`` section of ``--out`` is rewritten from all of them.
+starts, also on an error or SIGTERM. Figures are merged into `results/gpu.json` beside `--out` (a run replaces
+the earlier figures of the same configuration), and the `gpu` section of `--out` is rewritten from all of them.
 
 Targets (issue 14): swarm/plain >= 0.8 at d_model 2048 and >= 0.5 at d_model 1024, in 32-true and bf16-mixed; each
 stage peer's peak GPU memory <= 0.6 of plain training's whole-model peak; d_model 4096 runs wherever plain training
 of it fits.
 
-Time on an H100 (estimated from the swarm's speed as of 4f5f6c1: 0.1-0.2 of plain; a faster swarm takes less):
-each run starts in 20-40 s (imports, CUDA, the swarm joining), then 5 + 20 batches. d 1024: ~1 min per precision
-with both update modes; d 2048: ~2-3 min; d 4096: ~1.5 min plain, then 2-5 min per swarm run (a 0.8B-parameter stage
-per peer, ~13 GB each for fp32 weights, gradients and Adam). Everything (3 sizes x 2 precisions x 2 update modes)
-is ~20-30 min: more than one 10-minute command, about one session's 30 minutes of device time. Run the targets
-first (d 2048 and 1024), then d 4096.
+Time on an H100, estimated (not yet measured) from the swarm's speed as of 4f5f6c1 (0.1-0.2 of plain training;
+a faster swarm takes less): a plain run starts in ~20 s, a swarm run in ~30-40 s (imports, CUDA, three processes
+joining; more at d_model 4096, whose 1.6B parameters each process initialises on the CPU), then 5 + 20 batches.
+d_model 1024: ~3-4 min for both precisions and both update modes; d_model 2048: ~3-4 min per precision; d_model
+4096: ~4-6 min per precision (each stage peer holds 0.8B parameters, ~13 GB of fp32 weights, gradients and Adam
+state). All of it is ~20-25 min of device time plus the machine's start: about one session's 30 minutes, so run the
+targets first (d_model 2048 and 1024), then d_model 4096.
 
-On a lent GPU (../shared/gpu/README.md). Here, once: ``bash ../shared/gpu/fetch_wheels.sh`` (wheels into .whl/).
-Then each ``run`` carries ``[".whl"]``; its command (timeout leaves the script 30 s to stop its peers):
+On a lent GPU (see ../shared/gpu/README.md). Here, once: `bash ../shared/gpu/fetch_wheels.sh` (the wheels the GPU
+machine lacks, into .whl/). Then each `run` carries `[".whl"]`, and its command is (timeout leaves the benchmark
+30 s to stop its peers)
 
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl &&
       export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 || exit
     timeout -k 30 560 python3 benchmarks/gpu.py --out $OUT/RESULTS.md ARGS
 
-with, one command each, ARGS:
+with ARGS, one command each, in this order:
 
-    --smoke                                                      # ~1 min: tiny model, the GPU path works
-    --d-model 2048 --precision 32-true bf16-mixed                # ~5-6 min
-    --d-model 1024 --precision 32-true bf16-mixed                # ~2-3 min
-    --d-model 4096 --precision 32-true --updates synchronous     # ~4-7 min
-    --d-model 4096 --precision bf16-mixed --updates synchronous  # ~3-5 min
-    --d-model 4096 --precision 32-true bf16-mixed --updates delayed --no-plain  # if time is left
+    --smoke                                # ~1 min: a tiny model, the GPU path works
+    --d-model 2048 --precision 32-true     # ~3-4 min
+    --d-model 2048 --precision bf16-mixed  # ~3-4 min
+    --d-model 1024                         # ~3-4 min: 32-true and bf16-mixed
+    --d-model 4096 --precision 32-true     # ~4-6 min
+    --d-model 4096 --precision bf16-mixed  # ~4-6 min
 
-and after each but the smoke, here: ``python benchmarks/gpu.py --merge <files_at>/results/gpu.json`` (into
-benchmarks/results/gpu.json and benchmarks/RESULTS.md). On a machine without CUDA, ``--smoke`` prints that it
-skipped and exits 0; ``--device cpu`` runs the whole harness on the CPU with a tiny model (d_model 64, 2 blocks,
-batch 4 x 32, 2 + 3 batches), which tests/test_benchmarks.py does.
+After each but the smoke, here: `python benchmarks/gpu.py --merge <files_at>/results/gpu.json` (into
+benchmarks/results/gpu.json and the gpu section of benchmarks/RESULTS.md). A command cut short by its timeout keeps
+the runs it finished (each run is saved as it ends). `--updates synchronous` or `--updates delayed` runs one update
+mode, `--no-plain` only the swarm (plain training measured by an earlier command).
+
+Without CUDA, `--smoke` prints that it skipped and exits 0; `--device cpu` runs the whole harness on the CPU with a
+tiny model (d_model 64, 2 blocks, batch 4 x 32, 2 + 3 batches), as tests/test_benchmarks.py does.
 """
 
 from __future__ import annotations
@@ -255,7 +260,8 @@ def write(runs: list[dict], path: Path) -> None:
     speed_rows, memory_rows = [], []
     for (device, d_model, n_layer, batch, block, precision), group in sorted(groups.items(), key=lambda g: g[0]):
         reference = group["plain"]
-        for (updates, microbatches), swarm in sorted(group["swarm"].items(), key=str) or [(("-", None), None)]:
+        modes = sorted(group["swarm"].items(), key=lambda m: (m[0][0] != "synchronous", str(m[0][1])))
+        for (updates, microbatches), swarm in modes or [(("-", None), None)]:
             shape = f"{n_layer} blocks, {batch}x{block}"
             label = [device, str(d_model), shape, precision, updates + (f", {microbatches} mb" if microbatches else "")]
             ok = swarm and reference and swarm["status"] == reference["status"] == "ok"
@@ -287,21 +293,7 @@ def write(runs: list[dict], path: Path) -> None:
         "",
     ]
     if not any(r["device"] != "cpu" for r in runs):
-        lines += [
-            "**To be measured on a lent GPU.** Here, once: `bash ../shared/gpu/fetch_wheels.sh`. Then each `run` "
-            'carries `[".whl"]` and its command is',
-            "",
-            "    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl "
-            "&& export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 ||exit; "
-            "timeout -k 30 560 python3 benchmarks/gpu.py --out $OUT/RESULTS.md ARGS",
-            "",
-            "with ARGS, one command each, in this order: `--smoke`; `--d-model 2048 --precision 32-true bf16-mixed`; "
-            "`--d-model 1024 --precision 32-true bf16-mixed`; `--d-model 4096 --precision 32-true --updates "
-            "synchronous`; `--d-model 4096 --precision bf16-mixed --updates synchronous`; and, if time is left, "
-            "`--d-model 4096 --precision 32-true bf16-mixed --updates delayed --no-plain`. After each, here: "
-            "`python benchmarks/gpu.py --merge <files_at>/results/gpu.json`.",
-            "",
-        ]
+        lines += ["**To be measured on a lent GPU.**", "", *how_to_run(), ""]
     if runs:
         lines += [
             "### Samples/s",
@@ -327,6 +319,11 @@ def write(runs: list[dict], path: Path) -> None:
             ),
         ]
     update_section("gpu", lines, path)
+
+
+def how_to_run() -> list[str]:
+    """The lines of this module's docstring on running it on a lent GPU (one text for both places)."""
+    return __doc__[__doc__.index("On a lent GPU") : __doc__.index("Without CUDA, `--smoke`")].strip().splitlines()
 
 
 def cuda_device() -> Optional[str]:
@@ -360,7 +357,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, help="microbatches in flight (default: the strategy's)")
     parser.add_argument("--warmup", type=int, help="batches before the timed ones (default 5; cpu, smoke: 2)")
     parser.add_argument("--batches", type=int, help="timed batches (default 20; cpu, smoke: 3)")
-    parser.add_argument("--timeout", type=float, default=420.0, help="seconds one run may take")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
     parser.add_argument("--out", default=str(RESULTS), help="results file; the JSON goes to results/ beside it")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="only merge these results/gpu.json into --out's")
     a = parser.parse_args()
