@@ -141,47 +141,51 @@ def process_memory(directory: Path, poller: GpuMemoryPoller) -> dict:
     return memory
 
 
-def failure(error: BaseException, detail: str, name: str) -> dict:
-    """A failed run's status: "out of memory" (and ``oom_in``: the processes whose logs say so), "timed out" or
-    "failed", and the end of the error. ``detail``: what the process ``name`` printed, or train_on_swarm's error
-    (a summary, then each peer's name and the end of its log)."""
-    if isinstance(error, subprocess.TimeoutExpired):
-        return {"status": "timed out", "error": str(error)[-500:]}
-    parts = re.split(r"\n---- (\S+):\n", detail)
-    if peer := re.match(r"peer (\S+) ", detail):  # LocalSwarm.start: a peer exited before joining
-        name = peer.group(1)
-    logs = dict(zip(parts[1::2], parts[2::2])) or {name: detail}
-    oom_in = [name for name, log in logs.items() if OUT_OF_MEMORY.search(log)]
-    if oom_in or OUT_OF_MEMORY.search(detail):
-        return {"status": "out of memory", "oom_in": oom_in, "error": detail.strip()[-500:]}
-    return {"status": "failed", "error": detail.strip()[-1500:]}
+def out_of_memory(logs: dict[str, str]) -> list[str]:
+    """The names of the processes whose output (``logs``: name -> text) tells of running out of memory."""
+    return [name for name, text in logs.items() if OUT_OF_MEMORY.search(text)]
+
+
+def failure(error: BaseException, logs: dict[str, str]) -> dict:
+    """A failed run's status: "out of memory" (and ``oom_in``: the processes whose ``logs`` say so), else "timed
+    out" or "failed"; and the end of the error."""
+    oom_in = out_of_memory(logs)
+    status = "out of memory" if oom_in else "timed out" if isinstance(error, subprocess.TimeoutExpired) else "failed"
+    details = error.stderr if isinstance(error, subprocess.CalledProcessError) else None
+    text = details.decode(errors="replace") if details else str(error)
+    return {"status": status, "error": text.strip()[-1500:], **({"oom_in": oom_in} if oom_in else {})}
 
 
 def measure_plain(args: list[str], work: Path, warmup: int, timeout: float) -> dict:
     """One plain training run: samples/s over the timed batches, or how it failed."""
     try:
         history = plain(args, work, timeout=timeout)
-    except subprocess.CalledProcessError as e:
-        return failure(e, e.stderr.decode(errors="replace"), "plain")
-    except subprocess.TimeoutExpired as e:
-        return failure(e, "", "plain")
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        return failure(e, {"plain": (e.stderr or b"").decode(errors="replace")})
     return {"status": "ok", "samples_per_s": steady_throughput(history, warmup - 1), "batches": history["steps"]}
 
 
 def measure_swarm(args: list[str], work: Path, run_id: str, env: dict, warmup: int, timeout: float) -> dict:
     """One swarm run: the trainer's samples/s and seconds in calls to each stage per timed batch, the stage peers'
-    peak RSS, or how it failed."""
+    peak RSS, or how it failed. A run that trained although a process logged running out of memory (a request
+    answered as overload) names it in ``oom_in``."""
     try:
         (history,), peak_rss = train_on_swarm(args, work, run_id, env, timeout=timeout)
     except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
-        return failure(e, str(e), "swarm")
-    return {
+        return failure(e, peer_logs(work / run_id))
+    result = {
         "status": "ok",
         "samples_per_s": steady_throughput(history, warmup - 1),
         "batches": history["steps"],
         "call_seconds": steady_call_seconds(history, warmup - 1),
         "stage_peak_rss": peak_rss,
     }
+    return {**result, "oom_in": oom_in} if (oom_in := out_of_memory(peer_logs(work / run_id))) else result
+
+
+def peer_logs(directory: Path) -> dict[str, str]:
+    """What each peer of a LocalSwarm printed, by peer name."""
+    return {path.stem: path.read_text(errors="replace") for path in sorted(directory.glob("*.log"))}
 
 
 def run(settings: dict, run_args: list[str], work: Path, warmup: int, timeout: float, env: dict) -> dict:
@@ -203,6 +207,7 @@ def run(settings: dict, run_args: list[str], work: Path, warmup: int, timeout: f
         + (f", {settings['updates']} updates" if settings["updates"] else "")
         + f" | {result['status']}: "
         + (f"{result['samples_per_s']:.2f} samples/s" if result["status"] == "ok" else result["error"][-300:])
+        + (f" (out of memory in the logs of {', '.join(result['oom_in'])})" if result.get("oom_in") else "")
         + f" ({figures['seconds']:.0f} s)",
         flush=True,
     )
@@ -243,9 +248,10 @@ def memory_cell(run: Optional[dict], name: str) -> str:
 def speed_cell(run: Optional[dict]) -> str:
     if run is None:
         return "-"
+    oom = f" ({', '.join(run['oom_in'])})" if run.get("oom_in") else ""
     if run["status"] != "ok":
-        return run["status"] + (f" ({', '.join(run['oom_in'])})" if run.get("oom_in") else "")
-    return f"{run['samples_per_s']:.2f}"
+        return run["status"] + oom
+    return f"{run['samples_per_s']:.2f}" + (f", out of memory in the logs{oom}" if oom else "")
 
 
 def write(runs: list[dict], path: Path) -> None:
@@ -293,7 +299,7 @@ def write(runs: list[dict], path: Path) -> None:
         "",
     ]
     if not any(r["device"] != "cpu" for r in runs):
-        lines += ["**To be measured on a lent GPU.**", "", *how_to_run(), ""]
+        lines += ["**To be measured on a lent GPU** (no GPU figures yet).", "", *how_to_run(), ""]
     if runs:
         lines += [
             "### Samples/s",

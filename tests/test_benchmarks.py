@@ -247,3 +247,22 @@ def test_gpu_report(tmp_path):
     )
     assert "To be measured on a lent GPU" not in text
     assert len(json.loads((tmp_path / "results" / "gpu.json").read_text())["runs"]) == 3
+
+
+def test_gpu_out_of_memory_is_reported():
+    """How a failed GPU run is classified, from the processes' logs (no CUDA here to run out of)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu import failure
+
+    logs = {
+        "stage0_0": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.",
+        "stage1_0": "Serving until this process receives SIGTERM or SIGINT",
+        "trainer0": "SwarmRequestError('stage 0 forward failed: OutOfMemoryError(...)')",
+    }
+    crashed = failure(RuntimeError("trainer0 of gpu2048 exited with 1"), logs)
+    assert crashed == {"status": "out of memory", "error": "trainer0 of gpu2048 exited with 1", "oom_in": [*logs][::2]}
+    stuck = subprocess.TimeoutExpired(["python"], 300)
+    assert failure(stuck, logs)["status"] == "out of memory"
+    assert failure(stuck, {"trainer0": "Waiting for peers to serve stage(s) [1]"})["status"] == "timed out"
+    plain = subprocess.CalledProcessError(1, ["python"], stderr=b"Traceback ...\nValueError: Precision 'x' is invalid")
+    assert failure(plain, {"plain": plain.stderr.decode()}) == {"status": "failed", "error": plain.stderr.decode()}
