@@ -29,11 +29,11 @@ targets first (d_model 2048 and 1024), then d_model 4096.
 
 On a lent GPU (see ../shared/gpu/README.md). Here, once: `bash ../shared/gpu/fetch_wheels.sh` (the wheels the GPU
 machine lacks, into .whl/). Then each `run` carries `[".whl"]`, and its command is (timeout leaves the benchmark
-30 s to stop its peers)
+20 s to stop its peers, and the whole command ends inside the device's 10 minutes)
 
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl &&
       export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 || exit
-    timeout -k 30 560 python3 benchmarks/gpu.py --out $OUT/RESULTS.md ARGS
+    timeout -k 20 540 python3 benchmarks/gpu.py --out $OUT/RESULTS.md ARGS
 
 with ARGS, one command each, in this order:
 
@@ -202,6 +202,7 @@ def run(settings: dict, run_args: list[str], work: Path, warmup: int, timeout: f
         else:
             result = measure_swarm(run_args, work, run_id, env, warmup, timeout)
     figures = {**settings, **result, "seconds": time.time() - start, "memory": process_memory(memory_dir, poller)}
+    figures.update(date=time.strftime("%Y-%m-%d %H:%M"), commit=commit())
     print(
         f"{settings['device']} | d_model {settings['d_model']} | {settings['precision']} | {settings['kind']}"
         + (f", {settings['updates']} updates" if settings["updates"] else "")
@@ -227,7 +228,8 @@ def save(new: list[dict], out: Path) -> None:
     runs = json.loads(data.read_text())["runs"] if data.exists() else []
     runs = merge(runs, new)
     data.parent.mkdir(exist_ok=True)
-    data.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+    data.with_suffix(".tmp").write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+    data.with_suffix(".tmp").replace(data)  # whole, even if a signal stops the benchmark here
     write(runs, out)
 
 
@@ -330,6 +332,15 @@ def write(runs: list[dict], path: Path) -> None:
 def how_to_run() -> list[str]:
     """The lines of this module's docstring on running it on a lent GPU (one text for both places)."""
     return __doc__[__doc__.index("On a lent GPU") : __doc__.index("Without CUDA, `--smoke`")].strip().splitlines()
+
+
+def commit() -> Optional[str]:
+    """The commit of the code measured, where this checkout has its git history."""
+    command = ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def cuda_device() -> Optional[str]:

@@ -151,6 +151,7 @@ def test_gpu_harness_on_cpu(tmp_path):
     result = gpu_bench(tmp_path, "--device", "cpu", "--precision", "32-true")
     assert result.returncode == 0, result.stderr[-3000:]
     text = (tmp_path / "RESULTS.md").read_text()
+    assert "To be measured on a lent GPU" in text and "python3 benchmarks/gpu.py --out $OUT/RESULTS.md ARGS" in text
     for updates in ("synchronous", "delayed"):
         speed = rf"^\| cpu \| 64 \| 2 blocks, 4x32 \| 32-true \| {updates} \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \|"
         row = re.search(speed, text, re.MULTILINE)
