@@ -20,12 +20,13 @@ stage peer's peak GPU memory <= 0.6 of plain training's whole-model peak; d_mode
 of it fits.
 
 Time on an H100, estimated (not yet measured) from the swarm's speed as of 4f5f6c1 (0.1-0.2 of plain training;
-a faster swarm takes less): a plain run starts in ~20 s, a swarm run in ~30-40 s (imports, CUDA, three processes
-joining; more at d_model 4096, whose 1.6B parameters each process initialises on the CPU), then 5 + 20 batches.
-d_model 1024: ~3-4 min for both precisions and both update modes; d_model 2048: ~3-4 min per precision; d_model
-4096: ~4-6 min per precision (each stage peer holds 0.8B parameters, ~13 GB of fp32 weights, gradients and Adam
-state). All of it is ~20-25 min of device time plus the machine's start: about one session's 30 minutes, so run the
-targets first (d_model 2048 and 1024), then d_model 4096.
+a faster swarm takes less): a plain run starts in ~20 s, a swarm run in ~40-50 s (imports, CUDA, three processes
+started one after the other and joining; more at d_model 4096, whose 1.6B parameters each process initialises on
+the CPU), then 5 + 20 batches. d_model 2048: ~3-4 min per precision, both update modes; d_model 1024: ~4-5 min for
+both precisions and both update modes; d_model 4096: ~3-6 min per precision and update mode (each stage peer holds
+0.8B parameters, ~13 GB of fp32 weights, gradients and Adam state). All of it is ~25-30 min of device time with the
+machine's start: about one session's 30 minutes, so run the targets first (d_model 2048 and 1024), then d_model
+4096. `32-true` runs full fp32 matmuls (torch's default, no TF32) in plain training and on the swarm alike.
 
 On a lent GPU (see ../shared/gpu/README.md). Here, once: `bash ../shared/gpu/fetch_wheels.sh` (the wheels the GPU
 machine lacks, into .whl/). Then each `run` carries `[".whl"]`, and its command is (timeout leaves the benchmark
@@ -37,12 +38,14 @@ machine lacks, into .whl/). Then each `run` carries `[".whl"]`, and its command 
 
 with ARGS, one command each, in this order:
 
-    --smoke                                # ~1 min: a tiny model, the GPU path works
-    --d-model 2048 --precision 32-true     # ~3-4 min
-    --d-model 2048 --precision bf16-mixed  # ~3-4 min
-    --d-model 1024                         # ~3-4 min: 32-true and bf16-mixed
-    --d-model 4096 --precision 32-true     # ~4-6 min
-    --d-model 4096 --precision bf16-mixed  # ~4-6 min
+    --smoke                                                          # ~1 min: a tiny model, the GPU path works
+    --d-model 2048 --precision 32-true                               # ~3-4 min
+    --d-model 2048 --precision bf16-mixed                            # ~3-4 min
+    --d-model 1024                                                   # ~4-5 min: 32-true and bf16-mixed
+    --d-model 4096 --precision 32-true --updates synchronous         # ~3-6 min
+    --d-model 4096 --precision bf16-mixed --updates synchronous      # ~3-6 min
+    --d-model 4096 --precision 32-true --updates delayed --no-plain  # if time is left, ~2-5 min
+    --d-model 4096 --precision bf16-mixed --updates delayed --no-plain
 
 After each but the smoke, here: `python benchmarks/gpu.py --merge <files_at>/results/gpu.json` (into
 benchmarks/results/gpu.json and the gpu section of benchmarks/RESULTS.md). A command cut short by its timeout keeps
