@@ -10,10 +10,11 @@ batches, then timed batches: samples/s over the timed ones, from the trainer's o
 process: torch's `max_memory_reserved` and `max_memory_allocated` as the process reports them itself
 (examples/gpt.py with `GPT_CUDA_MEMORY_DIR`), and the most `nvidia-smi --query-compute-apps` showed for its pid,
 polled every 0.5 s. A run that runs out of memory (plain, or any swarm process) is reported as "out of memory"
-with the processes whose logs say so; any other failure or a run past `--timeout` is reported too, and the
-benchmark goes on with the next run. Every run's peers are stopped by their process groups before the next one
-starts, also on an error or SIGTERM. Figures are merged into `results/gpu.json` beside `--out` (a run replaces
-the earlier figures of the same configuration), and the `gpu` section of `--out` is rewritten from all of them.
+with the processes whose logs say so; any other failure or a run past `--timeout` (with the samples/s of the
+batches it finished) is reported too, and the benchmark goes on with the next run. Every run's peers are stopped by
+their process groups before the next one starts, also on an error or SIGTERM. Figures are merged into
+`results/gpu.json` beside `--out` (a run replaces the earlier figures of the same configuration), and the `gpu`
+section of `--out` is rewritten from all of them.
 
 Targets (issue 14): swarm/plain >= 0.8 at d_model 2048 and >= 0.5 at d_model 1024, in 32-true and bf16-mixed; each
 stage peer's peak GPU memory <= 0.6 of plain training's whole-model peak; d_model 4096 runs wherever plain training
@@ -175,7 +176,13 @@ def measure_swarm(args: list[str], work: Path, run_id: str, env: dict, warmup: i
     try:
         (history,), peak_rss = train_on_swarm(args, work, run_id, env, timeout=timeout)
     except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
-        return failure(e, peer_logs(work / run_id))
+        result = failure(e, peer_logs(work / run_id))
+        partial = work / f"{run_id}_trainer0.json"  # the history train_on_swarm has the trainer write, every 5 steps
+        if result["status"] == "timed out" and partial.exists():
+            history = json.loads(partial.read_text())
+            if history["steps"] > warmup:  # what the batches it finished after warm-up show
+                result.update(samples_per_s=steady_throughput(history, warmup - 1), batches=history["steps"])
+        return result
     result = {
         "status": "ok",
         "samples_per_s": steady_throughput(history, warmup - 1),
@@ -254,6 +261,8 @@ def speed_cell(run: Optional[dict]) -> str:
     if run is None:
         return "-"
     oom = f" ({', '.join(run['oom_in'])})" if run.get("oom_in") else ""
+    if run["status"] == "timed out" and "samples_per_s" in run:
+        return f"timed out ({run['samples_per_s']:.2f} over {run['batches']} batches)"
     if run["status"] != "ok":
         return run["status"] + oom
     return f"{run['samples_per_s']:.2f}" + (f", out of memory in the logs{oom}" if oom else "")

@@ -185,6 +185,19 @@ def test_gpu_harness_reports_failed_runs(tmp_path):
     assert "| no-such-precision | synchronous | failed | failed | - | - |" in text, text
 
 
+def test_gpu_harness_reports_timed_out_runs(tmp_path):
+    """A swarm run past --timeout: reported with the samples/s of the batches it finished, its peers stopped."""
+    args = ["--device", "cpu", "--no-plain", "--precision", "32-true", "--updates", "synchronous"]
+    result = gpu_bench(tmp_path, *args, "--batches", "1000", "--timeout", "25")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = json.loads((tmp_path / "results" / "gpu.json").read_text())["runs"]
+    assert run["status"] == "timed out" and 2 < run["batches"] < 1002 and run["samples_per_s"] > 0, run
+    assert (
+        f"| timed out ({run['samples_per_s']:.2f} over {run['batches']} batches) |"
+        in (tmp_path / "RESULTS.md").read_text()
+    )
+
+
 def test_gpu_harness_stops_peers_on_sigterm(tmp_path):
     """SIGTERM (as from `timeout`) while a swarm trains: the benchmark stops every peer's process group and exits."""
     command = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--no-plain"]
