@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -51,31 +51,33 @@ VARIANTS = [  # (label, delayed updates, microbatches)
 ]
 
 
-def model_args(d_model: int, steps: int, batch: int, block: int) -> list[str]:
+def model_args(d_model: int, steps: int, batch: int, block: int, n_layer: int = 4) -> list[str]:
     heads = max(1, d_model // 64)
-    return [*("--d-model", str(d_model), "--n-layer", "4", "--n-head", str(heads)), "--block-size", str(block)] + [
-        *("--batch-size", str(batch), "--max-steps", str(steps))
+    return [*("--d-model", str(d_model), "--n-layer", str(n_layer), "--n-head", str(heads))] + [
+        *("--block-size", str(block), "--batch-size", str(batch), "--max-steps", str(steps))
     ]
 
 
-def steady_throughput(history: dict) -> float:
-    """Samples per second over the second half of the steps."""
+def steady_throughput(history: dict, start: Optional[int] = None) -> float:
+    """Samples per second from the end of step ``start`` (counted from 0; default: half way) to the last step."""
     times = history["times"]
-    half = len(times) // 2
+    half = len(times) // 2 if start is None else start
     return (len(times) - 1 - half) * history["samples"] / len(times) / (times[-1] - times[half])
 
 
-def steady_call_seconds(history: dict) -> list[float]:
-    """Seconds per step the trainer spent in calls to each stage, over the second half of the steps."""
+def steady_call_seconds(history: dict, start: Optional[int] = None) -> list[float]:
+    """Seconds per step the trainer spent in calls to each stage, from the end of step ``start`` (default: half
+    way) to the last step."""
     calls = history["call_seconds"]
-    half = len(calls) // 2
+    half = len(calls) // 2 if start is None else start
     return [(calls[-1].get(str(k), 0) - calls[half].get(str(k), 0)) / (len(calls) - 1 - half) for k in range(STAGES)]
 
 
-def plain(args: list[str], work: Path) -> dict:
+def plain(args: list[str], work: Path, timeout: float = 900.0) -> dict:
+    """Train examples/gpt.py (``args``) in one process, without the swarm; its history."""
     out = work / "plain.json"
     command = [sys.executable, GPT, "--single", *args, "--history", str(out)]
-    subprocess.run(command, check=True, timeout=900, env={**os.environ, **ONE_THREAD}, capture_output=True)
+    subprocess.run(command, check=True, timeout=timeout, env={**os.environ, **ONE_THREAD}, capture_output=True)
     return json.loads(out.read_text())
 
 

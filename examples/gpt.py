@@ -6,11 +6,13 @@ pipeline strategy cuts into stages.
 """
 
 import argparse
+import atexit
 import dataclasses
 import importlib.util
 import json
 import os
 import resource
+import threading
 import time
 from typing import Optional
 
@@ -256,6 +258,37 @@ class History(SwarmCallback):
         os.replace(self.path + ".tmp", self.path)
 
 
+def report_cuda_memory(directory: str, role: str, every: float = 1.0) -> None:
+    """Keep ``<directory>/<pid>.json`` up to date with this process's peak CUDA memory (torch's
+    ``max_memory_allocated`` and ``max_memory_reserved``, bytes; null without CUDA), rewritten every ``every``
+    seconds and at exit, so that a benchmark reads it even from a peer it had to kill."""
+    pid, stage = os.getpid(), os.environ.get("SWARM_STAGE")
+    path = os.path.join(directory, f"{pid}.json")
+
+    def write() -> None:
+        if os.getpid() != pid:  # a forked helper (DHT, averager) exiting
+            return
+        cuda = torch.cuda.is_available()  # the peaks read 0 until this process first uses CUDA, without starting it
+        figures = dict(
+            pid=pid,
+            role=role,
+            stage=int(stage) if stage else None,
+            allocated=torch.cuda.max_memory_allocated() if cuda else None,
+            reserved=torch.cuda.max_memory_reserved() if cuda else None,
+        )
+        with open(path + ".tmp", "w") as f:
+            json.dump(figures, f)
+        os.replace(path + ".tmp", path)
+
+    def keep_writing() -> None:
+        while True:
+            write()
+            time.sleep(every)
+
+    threading.Thread(target=keep_writing, name="cuda-memory", daemon=True).start()
+    atexit.register(write)
+
+
 def main() -> None:
     """Train the GPT on the swarm. Every peer runs this same script; the swarm is configured by SWARM_* variables."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -276,6 +309,8 @@ def main() -> None:
     parser.add_argument("--save", help="save the complete model here at the end (a normal Lightning checkpoint)")
     parser.add_argument("--resume", help="continue training from this checkpoint (trainer.fit(ckpt_path=...))")
     args = parser.parse_args()
+    if directory := os.environ.get("GPT_CUDA_MEMORY_DIR"):  # set by benchmarks/gpu.py
+        report_cuda_memory(directory, "single" if args.single else os.environ.get("SWARM_ROLE", "both"))
 
     torch.set_num_threads(1)
     L.seed_everything(args.seed)
