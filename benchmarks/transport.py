@@ -9,8 +9,7 @@ load of this shared machine falls on all of them alike (one untimed warm-up echo
   2 MiB, a stream of 2 MiB chunks above.
 - ``gRPC``: ``grpc.aio``, raw bytes (no protobuf), unlimited message sizes, one message per call.
 - ``ZeroMQ``: a REQ/REP pair of ``pyzmq`` sockets, zero-copy frames.
-- ``direct path``: ``lightning_swarm.transport`` (what a stage server answers on: gRPC, with its authentication).
-- ``asyncio TCP``: a plain socket with a length prefix (the ceiling).
+- ``asyncio TCP``: a plain socket with a length prefix, read into one buffer (the ceiling).
 
     python benchmarks/transport.py            # writes benchmarks/RESULTS.md and benchmarks/results/transport.json
     python benchmarks/transport.py --smoke    # seconds-long check that the script works
@@ -21,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import socket
 import statistics
 import sys
 import time
@@ -82,15 +82,25 @@ async def serve_zmq(address: mp.Queue) -> None:
 
 
 async def serve_tcp(address: mp.Queue) -> None:
-    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while header := await reader.read(8):  # empty at the end of the stream (headers arrive whole here)
-            writer.write(header + await reader.readexactly(int.from_bytes(header, "big")))
-            await writer.drain()
-        writer.close()
+    loop = asyncio.get_running_loop()
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    address.put(listener.getsockname()[1])
+    connection, _ = await loop.sock_accept(listener)
+    while header := await receive(connection, 8):
+        await loop.sock_sendall(connection, header + await receive(connection, int.from_bytes(header, "big")))
 
-    server = await asyncio.start_server(echo, "127.0.0.1", 0, limit=MiB)
-    address.put(server.sockets[0].getsockname()[1])
-    await server.serve_forever()
+
+async def receive(connection: socket.socket, size: int) -> bytearray:
+    """Exactly ``size`` bytes (empty at the end of the stream), read into one buffer without further copies."""
+    buffer, loop = bytearray(size), asyncio.get_running_loop()
+    view, received = memoryview(buffer), 0
+    while received < size:
+        count = await loop.sock_recv_into(connection, view[received:])
+        if not count:
+            return bytearray()
+        received += count
+    return buffer
 
 
 SERVERS = {"hivemind P2P": serve_p2p, "gRPC": serve_grpc, "ZeroMQ": serve_zmq, "asyncio TCP": serve_tcp}
@@ -153,16 +163,17 @@ async def connect_zmq(port: int) -> tuple[Echo, Callable[[], Awaitable]]:
 
 
 async def connect_tcp(port: int) -> tuple[Echo, Callable[[], Awaitable]]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=MiB)
+    loop = asyncio.get_running_loop()
+    connection = socket.create_connection(("127.0.0.1", port))
+    connection.setblocking(False)
 
     async def echo(payload: bytes) -> int:
-        writer.write(len(payload).to_bytes(8, "big"))
-        writer.write(payload)
-        await writer.drain()
-        return len(await reader.readexactly(int.from_bytes(await reader.readexactly(8), "big")))
+        await loop.sock_sendall(connection, len(payload).to_bytes(8, "big"))
+        await loop.sock_sendall(connection, payload)
+        return len(await receive(connection, int.from_bytes(await receive(connection, 8), "big")))
 
     async def close() -> None:
-        writer.close()
+        connection.close()
 
     return echo, close
 
