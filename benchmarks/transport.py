@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable
 
+from hivemind.p2p import P2P, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
-
-from hivemind.p2p import P2P, PeerID, ServicerBase  # noqa: E402
-from hivemind.proto import runtime_pb2  # noqa: E402
 
 from lightning_swarm import protocol  # noqa: E402
 
@@ -244,6 +244,11 @@ def main() -> None:
 
 def write(rows: list[dict], path: Path, smoke: bool, repeats: int) -> None:
     by_key = {(row["bytes"], row["transport"]): row for row in rows}
+
+    def cell(size: int, name: str) -> str:
+        speed = by_key[size, name]["mb_s"]
+        return f"{speed:.1f} ({speed / by_key[size, CEILING]['mb_s']:.2f})"
+
     sizes = sorted({row["bytes"] for row in rows})
     names = [name for name in TRANSPORTS if any(row["transport"] == name for row in rows)]
     lines = [
@@ -255,14 +260,7 @@ def write(rows: list[dict], path: Path, smoke: bool, repeats: int) -> None:
         "",
         *table(
             ["payload", *names],
-            [
-                [f"{size / MiB:g} MiB"]
-                + [
-                    f"{by_key[size, name]['mb_s']:.1f} ({by_key[size, name]['mb_s'] / by_key[size, CEILING]['mb_s']:.2f})"
-                    for name in names
-                ]
-                for size in sizes
-            ],
+            [[f"{size / MiB:g} MiB", *(cell(size, name) for name in names)] for size in sizes],
         ),
     ]
     update_section("transport", lines, path)
