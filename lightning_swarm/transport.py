@@ -49,6 +49,7 @@ from lightning_swarm.security import AccessPolicy, PeerNotAllowedError
 log = logging.getLogger(__name__)
 
 SESSION_TTL = 3600.0  # seconds a session stays valid; callers open a new one before it ends
+CONNECT_TIMEOUT = 5.0  # seconds to open a session (over libp2p), then again to connect
 MAX_CLOCK_SKEW = 60.0  # seconds between a connection token's time and the server's clock
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks for the verdict on each handshake (one per context)
 ERRORS: dict[str, type[Exception]] = {
@@ -280,6 +281,20 @@ class DirectServer(ServicerBase):
         return list((await server.answer(kind, request, caller)).tensors)
 
 
+async def await_handshake(monitor: zmq.asyncio.Socket) -> None:
+    """Wait until a connecting socket's handshake succeeded (its ``monitor`` tells); ``PeerNotAllowedError`` if the
+    server refused the credentials, ``ConnectionError`` if the connection failed otherwise."""
+    failures = (zmq.EVENT_CLOSED, zmq.EVENT_DISCONNECTED, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    while True:
+        event = parse_monitor_message(await monitor.recv_multipart())["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            return
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            raise PeerNotAllowedError("the peer refused this connection's credentials")
+        if event in (*failures, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+            raise ConnectionError(f"the connection failed (ZeroMQ event {event})")
+
+
 # ---- the client: one connection per peer, shared by the router's calls --------------------------------------------
 
 
@@ -295,7 +310,12 @@ class DirectClient:
     are opened over libp2p with the secret's token. Runs on the event loop of the peer's RPC."""
 
     def __init__(
-        self, p2p: P2P, peer_id: PeerID, run_id: str, policy: Optional[AccessPolicy], connect_timeout: float = 5.0
+        self,
+        p2p: P2P,
+        peer_id: PeerID,
+        run_id: str,
+        policy: Optional[AccessPolicy],
+        connect_timeout: float = CONNECT_TIMEOUT,
     ) -> None:
         self.p2p, self.peer_id, self.run_id, self.policy = p2p, peer_id, run_id, policy
         self.connect_timeout = connect_timeout
@@ -357,7 +377,7 @@ class DirectClient:
         monitor = socket.get_monitor_socket()
         socket.connect(f"tcp://{address}")
         try:
-            await asyncio.wait_for(self._handshake(monitor), self.connect_timeout)
+            await asyncio.wait_for(await_handshake(monitor), self.connect_timeout)
         except BaseException as e:
             socket.close(linger=0)
             monitor.close(linger=0)
@@ -369,16 +389,6 @@ class DirectClient:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return connection
-
-    async def _handshake(self, monitor: zmq.asyncio.Socket) -> None:
-        while True:
-            event = parse_monitor_message(await monitor.recv_multipart())["event"]
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                return
-            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                raise PeerNotAllowedError("the peer refused this peer's session")
-            if event in (zmq.EVENT_CLOSED, zmq.EVENT_DISCONNECTED) or event & zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-                raise ConnectionError(f"connection closed (event {event})")
 
     async def _receive(self, connection: _Connection, monitor: zmq.asyncio.Socket) -> None:
         """Hand replies to their callers until the connection drops; then fail the calls still waiting."""
