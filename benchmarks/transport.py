@@ -9,6 +9,8 @@ load of this shared machine falls on all of them alike (one untimed warm-up echo
   2 MiB, a stream of 2 MiB chunks above.
 - ``gRPC``: ``grpc.aio``, raw bytes (no protobuf), unlimited message sizes, one message per call.
 - ``ZeroMQ``: a REQ/REP pair of ``pyzmq`` sockets, zero-copy frames.
+- ``direct path``: ``lightning_swarm.transport`` as routers and stage servers use it (ZeroMQ, its session opened
+  over libp2p once; the reply is built as a stage server builds it, in a protobuf message).
 - ``asyncio TCP``: a plain socket with a length prefix, read into one buffer (the ceiling).
 
     python benchmarks/transport.py            # writes benchmarks/RESULTS.md and benchmarks/results/transport.json
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import multiprocessing as mp
 import socket
 import statistics
@@ -34,10 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
 
-from lightning_swarm import protocol  # noqa: E402
+from lightning_swarm import protocol, transport  # noqa: E402
 
 MiB = 2**20
-TRANSPORTS = ["hivemind P2P", "gRPC", "ZeroMQ", "asyncio TCP"]
+TRANSPORTS = ["hivemind P2P", "gRPC", "ZeroMQ", "direct path", "asyncio TCP"]
 CEILING = "asyncio TCP"
 GRPC_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 Echo = Callable[[bytes], Awaitable[int]]  # sends a payload, returns the size of the reply
@@ -103,7 +106,29 @@ async def receive(connection: socket.socket, size: int) -> bytearray:
     return buffer
 
 
-SERVERS = {"hivemind P2P": serve_p2p, "gRPC": serve_grpc, "ZeroMQ": serve_zmq, "asyncio TCP": serve_tcp}
+async def serve_direct(address: mp.Queue) -> None:
+    p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    direct = transport.DirectServer("bench", lambda: EchoStage(), max_request_bytes=2**30)
+    port = await direct.start(p2p)
+    address.put(([str(m) for m in await p2p.get_visible_maddrs()], port))
+    await asyncio.Event().wait()
+
+
+class EchoStage:
+    """Answers like a stage server, with the request's tensors."""
+
+    async def answer(self, kind: str, request: transport.DirectRequest, caller: str) -> runtime_pb2.ExpertResponse:
+        tensors = [runtime_pb2.Tensor(buffer=bytes(t.buffer), size=t.size, dtype=t.dtype) for t in request.tensors]
+        return runtime_pb2.ExpertResponse(tensors=tensors)
+
+
+SERVERS = {
+    "hivemind P2P": serve_p2p,
+    "gRPC": serve_grpc,
+    "ZeroMQ": serve_zmq,
+    "direct path": serve_direct,
+    "asyncio TCP": serve_tcp,
+}
 
 
 class EchoServicer(ServicerBase):
@@ -121,13 +146,18 @@ class EchoServicer(ServicerBase):
 # ---- clients: each returns an echo coroutine function -------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1)
+def as_tensor(payload: bytes) -> runtime_pb2.Tensor:
+    """The payload as the message a serializer builds (once per payload: building it is the codec's work)."""
+    return runtime_pb2.Tensor(buffer=payload, size=[len(payload)], dtype="uint8")
+
+
 async def connect_p2p(address: list[str]) -> tuple[Echo, Callable[[], Awaitable]]:
     p2p = await P2P.create(initial_peers=address, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     stub = EchoServicer.get_stub(p2p, PeerID.from_base58(address[0].rsplit("/", 1)[1]), namespace="bench")
 
     async def echo(payload: bytes) -> int:
-        tensor = runtime_pb2.Tensor(buffer=payload, size=[len(payload)], dtype="uint8")
-        reply, _ = await protocol.call(stub, "echo", "bench", [tensor], {}, timeout=600)
+        reply, _ = await protocol.call(stub, "echo", "bench", [as_tensor(payload)], {}, timeout=600)
         return sum(len(t.buffer) for t in reply)
 
     return echo, p2p.shutdown
@@ -178,7 +208,30 @@ async def connect_tcp(port: int) -> tuple[Echo, Callable[[], Awaitable]]:
     return echo, close
 
 
-CLIENTS = {"hivemind P2P": connect_p2p, "gRPC": connect_grpc, "ZeroMQ": connect_zmq, "asyncio TCP": connect_tcp}
+async def connect_direct(address: tuple[list[str], int]) -> tuple[Echo, Callable[[], Awaitable]]:
+    maddrs, port = address
+    p2p = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    client = transport.DirectClient(p2p, p2p.peer_id, "bench", None)
+    server = maddrs[0].rsplit("/", 1)[1]
+
+    async def echo(payload: bytes) -> int:
+        reply = await client.call(server, f"127.0.0.1:{port}", "forward", "bench", [as_tensor(payload)], b"", 600)
+        return sum(len(t.buffer) for t in reply)
+
+    async def close() -> None:
+        await client.close()
+        await p2p.shutdown()
+
+    return echo, close
+
+
+CLIENTS = {
+    "hivemind P2P": connect_p2p,
+    "gRPC": connect_grpc,
+    "ZeroMQ": connect_zmq,
+    "direct path": connect_direct,
+    "asyncio TCP": connect_tcp,
+}
 
 
 # ---- measurement -------------------------------------------------------------------------------------------------

@@ -84,6 +84,14 @@ class DirectRequest(NamedTuple):
     metadata: bytes
 
 
+def as_message(tensor: Any) -> runtime_pb2.Tensor:
+    """``tensor`` as hivemind's message, for libp2p (copied out of its frame if it came over the direct path)."""
+    if not isinstance(tensor, WireTensor):
+        return tensor
+    buffer, size, dtype, codec = bytes(tensor.buffer), tensor.size, tensor.dtype, tensor.compression
+    return runtime_pb2.Tensor(buffer=buffer, size=size, dtype=dtype, compression=codec)
+
+
 def describe(tensors: Sequence[Any]) -> list[list]:
     return [[list(t.size), t.dtype, int(t.compression)] for t in tensors]
 
@@ -164,6 +172,7 @@ class DirectServer(ServicerBase):
         self.sessions: dict[bytes, Session] = {}
         self._nonces: dict[bytes, float] = {}  # connection nonces seen, until they are too old to be accepted
         self._context: Optional[zmq.asyncio.Context] = None
+        self._socket: Optional[zmq.asyncio.Socket] = None
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self, p2p: P2P) -> int:
@@ -220,7 +229,7 @@ class DirectServer(ServicerBase):
             try:
                 caller = self.check_connection(mechanism, credentials)
                 verdict = [b"200", b"OK", caller.encode()]
-            except PeerNotAllowedError as e:
+            except Exception as e:  # PeerNotAllowedError, or anything unexpected: refuse, and keep answering
                 verdict = [b"400", str(e).encode()[:200], b""]
             await zap.send_multipart([version, request_id, *verdict, b""])
 

@@ -109,3 +109,14 @@ def test_delayed_updates_smoke(tmp_path):
     assert row, text
     synchronous, delayed, ratio = map(float, row.groups())
     assert synchronous > 0 and delayed > 0 and abs(ratio - delayed / synchronous) < 0.01, text
+
+
+def test_transport_smoke(tmp_path):
+    text = smoke(tmp_path, "transport", timeout=240)
+    for transport in ("hivemind P2P", "gRPC", "ZeroMQ", "direct path", "asyncio TCP"):
+        assert f"| {transport} " in text or f" {transport} |" in text, text
+    row = re.search(r"^\| 4 MiB \|" + r" ([0-9.]+) \(([0-9.]+)\) \|" * 5 + "$", text, re.MULTILINE)
+    assert row, text
+    speeds = [float(v) for v in row.groups()[::2]]
+    assert all(speed > 0 for speed in speeds) and float(row.group(10)) == 1.0, text
+    assert len(json.loads((tmp_path / "results" / "transport.json").read_text())) == 2 * 5

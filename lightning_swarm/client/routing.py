@@ -43,7 +43,7 @@ from lightning_swarm.errors import (
 )
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.server.stage_server import StageServer, stage_uid
-from lightning_swarm.transport import CONNECT_TIMEOUT, DirectClient, DirectUnreachable
+from lightning_swarm.transport import CONNECT_TIMEOUT, DirectClient, DirectRequest, DirectUnreachable, as_message
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +283,7 @@ class StageRouter:
         uid = stage_uid(self.run_id, stage)
         server = self.local_server
         if server is not None and server.stage == stage and peer == str(self.node.peer_id):
-            request = runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=protocol.encode_metadata(metadata))
+            request = DirectRequest(uid, list(tensors), protocol.encode_metadata(metadata))
             response = await asyncio.wait_for(server.answer(method, request), self.request_timeout)
             return list(response.tensors)
         load = self._peers[stage].get(peer)
@@ -300,7 +300,7 @@ class StageRouter:
             except DirectUnreachable as e:
                 self._mark_unreachable(peer, e)
         stub = StageServer.get_stub(self.node.p2p, PeerID.from_base58(peer), namespace=self.run_id)
-        metadata = self._with_token(metadata, peer)
+        metadata, tensors = self._with_token(metadata, peer), [as_message(t) for t in tensors]
         reply, _ = await protocol.call(stub, method, uid, tensors, metadata, self.request_timeout)
         self._count_call(direct=False)
         return reply
