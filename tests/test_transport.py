@@ -53,13 +53,16 @@ def test_router_calls_the_direct_path_with_the_results_of_libp2p_and_falls_back(
             recomputed, _ = router.call(0, "backward", [wire(x), wire(grad)], META, 4)
             results = [decoded(reply)[0] for reply in (forward, kept_grad, recomputed)]
             if name == "direct":
-                expected = results
+                expected, direct_reply = results, forward[0]
                 assert router.stats.direct_calls == 3 and router.stats.p2p_calls == 0, router.stats
             else:
                 assert router.stats.p2p_calls == 3 and router.stats.direct_calls == 0, router.stats
                 for got, want in zip(results, expected):
                     assert torch.equal(got, want)
         assert expected[0].shape == x.shape and torch.equal(expected[1], expected[2])
+        # a reply of the direct path relayed as it came (as a trainer relays it to the next stage), over libp2p
+        relayed, _ = p2p.call(0, "forward", [direct_reply], {**META, "train": False}, 4)
+        assert torch.equal(decoded(relayed)[0], decoded(p2p.call(0, "forward", [wire(expected[0])], META, 4)[0])[0])
         assert bytes_of(client.state()) == state_before  # no optimizer step (target batch size not reached)
 
         # a large request: one message each way (no chunks), the same answer as libp2p's streams
@@ -68,7 +71,7 @@ def test_router_calls_the_direct_path_with_the_results_of_libp2p_and_falls_back(
         over_direct, _ = direct.call(0, "forward", [wire(big)], {**META, "train": False}, 640)
         over_p2p, _ = p2p.call(0, "forward", [wire(big)], {**META, "train": False}, 640)
         assert torch.equal(decoded(over_direct)[0], decoded(over_p2p)[0])
-        assert direct.stats.direct_calls == 4, direct.stats
+        assert direct.stats.direct_calls == 4 and p2p.stats.p2p_calls == 6, (direct.stats, p2p.stats)
 
         # fallback: a record whose direct address refuses connections; calls go over libp2p and succeed
         direct.refresh_period = 1e9  # keep the doctored record
