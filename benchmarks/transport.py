@@ -10,7 +10,7 @@ load of this shared machine falls on all of them alike (one untimed warm-up echo
 - ``gRPC``: ``grpc.aio``, raw bytes (no protobuf), unlimited message sizes, one message per call.
 - ``ZeroMQ``: a REQ/REP pair of ``pyzmq`` sockets, zero-copy frames.
 - ``direct path``: ``lightning_swarm.transport`` as routers and stage servers use it (ZeroMQ, its session opened
-  over libp2p once; the reply is built as a stage server builds it, in a protobuf message).
+  over libp2p once; the server copies the payload once into its reply, as a stage server's codec does).
 - ``asyncio TCP``: a plain socket with a length prefix, read into one buffer (the ceiling).
 
     python benchmarks/transport.py            # writes benchmarks/RESULTS.md and benchmarks/results/transport.json
@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
 
 from lightning_swarm import protocol, transport  # noqa: E402
+from lightning_swarm.compression import WireTensor  # noqa: E402
 
 MiB = 2**20
 TRANSPORTS = ["hivemind P2P", "gRPC", "ZeroMQ", "direct path", "asyncio TCP"]
@@ -115,11 +116,10 @@ async def serve_direct(address: mp.Queue) -> None:
 
 
 class EchoStage:
-    """Answers like a stage server, with the request's tensors."""
+    """Answers like a stage server, with the request's tensors (copied once, as its codec writes a reply)."""
 
-    async def answer(self, kind: str, request: transport.DirectRequest, caller: str) -> runtime_pb2.ExpertResponse:
-        tensors = [runtime_pb2.Tensor(buffer=bytes(t.buffer), size=t.size, dtype=t.dtype) for t in request.tensors]
-        return runtime_pb2.ExpertResponse(tensors=tensors)
+    async def answer_tensors(self, kind: str, request: transport.DirectRequest, caller: str) -> list[WireTensor]:
+        return [WireTensor(bytes(t.buffer), t.size, t.dtype, t.compression) for t in request.tensors]
 
 
 SERVERS = {
@@ -215,7 +215,8 @@ async def connect_direct(address: tuple[list[str], int]) -> tuple[Echo, Callable
     server = maddrs[0].rsplit("/", 1)[1]
 
     async def echo(payload: bytes) -> int:
-        reply = await client.call(server, f"127.0.0.1:{port}", "forward", "bench", [as_tensor(payload)], b"", 600)
+        tensor = WireTensor(payload, [len(payload)], "uint8", 0)  # what the codec hands the router
+        reply = await client.call(server, f"127.0.0.1:{port}", "forward", "bench", [tensor], b"", 600)
         return sum(len(t.buffer) for t in reply)
 
     async def close() -> None:

@@ -6,7 +6,8 @@ the averagers, and as the fallback when a direct connection cannot be made.
 A request is one multipart message: ``[request id, header, *tensor buffers]`` (the header, msgpack, names the
 method, the stage, the request's metadata and each tensor's shape, dtype and codec); the reply is
 ``[request id, header, *tensor buffers]``, or a header naming the error the stage server raised. Received tensors
-are views of the received frames (:class:`WireTensor`, read like hivemind's ``runtime_pb2.Tensor``).
+are views of the received frames (:class:`~lightning_swarm.compression.WireTensor`), and a stage server's reply is
+sent from the bytes its codec wrote: no protobuf message is built on this path.
 
 Membership is proven before any request is read, once per connection:
 
@@ -43,6 +44,7 @@ from hivemind.utils import MSGPackSerializer
 from zmq.utils.monitor import parse_monitor_message
 
 from lightning_swarm import protocol, security
+from lightning_swarm.compression import WireTensor
 from lightning_swarm.errors import ActivationsLostError, NotServingError, StageBusyError, SwarmRequestError
 from lightning_swarm.security import AccessPolicy, PeerNotAllowedError
 
@@ -66,30 +68,12 @@ class DirectUnreachable(ConnectionError):
     """No direct connection to the peer could be made: the caller uses libp2p instead."""
 
 
-class WireTensor(NamedTuple):
-    """A tensor on the wire, as :mod:`~lightning_swarm.compression` reads it (``runtime_pb2.Tensor``'s fields);
-    ``buffer`` is a view of the received frame."""
-
-    buffer: Any
-    size: Sequence[int]
-    dtype: str
-    compression: int
-
-
 class DirectRequest(NamedTuple):
-    """A request as :meth:`StageServer.answer` reads it (``runtime_pb2.ExpertRequest``'s fields)."""
+    """A request as :meth:`StageServer.answer_tensors` reads it (``runtime_pb2.ExpertRequest``'s fields)."""
 
     uid: str
     tensors: list[WireTensor]
     metadata: bytes
-
-
-def as_message(tensor: Any) -> runtime_pb2.Tensor:
-    """``tensor`` as hivemind's message, for libp2p (copied out of its frame if it came over the direct path)."""
-    if not isinstance(tensor, WireTensor):
-        return tensor
-    buffer, size, dtype, codec = bytes(tensor.buffer), tensor.size, tensor.dtype, tensor.compression
-    return runtime_pb2.Tensor(buffer=buffer, size=size, dtype=dtype, compression=codec)
 
 
 def describe(tensors: Sequence[Any]) -> list[list]:
@@ -273,7 +257,7 @@ class DirectServer(ServicerBase):
             header, buffers = {"error": [type(e).__name__, str(e)]}, []
         await self._socket.send_multipart([routing, request_id, MSGPackSerializer.dumps(header), *buffers], copy=False)
 
-    async def _reply(self, frames: list[zmq.Frame]) -> list[runtime_pb2.Tensor]:
+    async def _reply(self, frames: list[zmq.Frame]) -> list[WireTensor]:
         caller = frames[0].get("User-Id")  # the session's peer id, set by the ZAP handler for this connection
         if len(frames) < 3:
             raise SwarmRequestError("a direct-path request needs an id, a header and its tensors")
@@ -287,7 +271,7 @@ class DirectServer(ServicerBase):
         if server is None:
             raise NotServingError("this peer serves no stage now")
         request = DirectRequest(uid, received(header.get("tensors"), frames[3:]), metadata)
-        return list((await server.answer(kind, request, caller)).tensors)
+        return await server.answer_tensors(kind, request, caller)
 
 
 async def await_handshake(monitor: zmq.asyncio.Socket) -> None:

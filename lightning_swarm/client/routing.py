@@ -43,7 +43,7 @@ from lightning_swarm.errors import (
 )
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.server.stage_server import StageServer, stage_uid
-from lightning_swarm.transport import CONNECT_TIMEOUT, DirectClient, DirectRequest, DirectUnreachable, as_message
+from lightning_swarm.transport import CONNECT_TIMEOUT, DirectClient, DirectRequest, DirectUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -284,8 +284,7 @@ class StageRouter:
         server = self.local_server
         if server is not None and server.stage == stage and peer == str(self.node.peer_id):
             request = DirectRequest(uid, list(tensors), protocol.encode_metadata(metadata))
-            response = await asyncio.wait_for(server.answer(method, request), self.request_timeout)
-            return list(response.tensors)
+            return await asyncio.wait_for(server.answer_tensors(method, request), self.request_timeout)
         load = self._peers[stage].get(peer)
         address = load.record.address if load is not None and self.direct else ""
         if address and self._unreachable.get(peer, 0.0) <= time.monotonic():
@@ -300,7 +299,7 @@ class StageRouter:
             except DirectUnreachable as e:
                 self._mark_unreachable(peer, e)
         stub = StageServer.get_stub(self.node.p2p, PeerID.from_base58(peer), namespace=self.run_id)
-        metadata, tensors = self._with_token(metadata, peer), [as_message(t) for t in tensors]
+        metadata, tensors = self._with_token(metadata, peer), [compression.to_message(t) for t in tensors]
         reply, _ = await protocol.call(stub, method, uid, tensors, metadata, self.request_timeout)
         self._count_call(direct=False)
         return reply

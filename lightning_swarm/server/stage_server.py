@@ -180,8 +180,18 @@ class StageServer(ServicerBase):
 
     # ---- validation and compute -----------------------------------------------------------------------------------
 
-    async def answer(self, kind: str, request: runtime_pb2.ExpertRequest, caller: object = "this peer"):
-        """Validate a forward or backward request, run it on the worker and encode the reply."""
+    async def answer(
+        self, kind: str, request: runtime_pb2.ExpertRequest, caller: object = "this peer"
+    ) -> runtime_pb2.ExpertResponse:
+        """:meth:`answer_tensors`, as hivemind's message (for libp2p)."""
+        tensors = await self.answer_tensors(kind, request, caller)
+        return runtime_pb2.ExpertResponse(tensors=[compression.to_message(t) for t in tensors])
+
+    async def answer_tensors(
+        self, kind: str, request: runtime_pb2.ExpertRequest, caller: object = "this peer"
+    ) -> list[compression.WireTensor]:
+        """Validate a forward or backward request, run it on the worker and encode the reply. ``request`` may also
+        be any object with its fields (``uid``, ``tensors``, ``metadata``), e.g. from the direct path."""
         try:
             self._check_uid(request.uid)
             metadata = protocol.decode_metadata(request.metadata)
@@ -205,8 +215,7 @@ class StageServer(ServicerBase):
         except Exception as e:
             log.warning("Stage %d refused a %s request from %s: %r", self.stage, kind, caller, e)
             raise
-        encoded = await loop.run_in_executor(None, compression.serialize, output, codec)
-        return runtime_pb2.ExpertResponse(tensors=[encoded])
+        return [await loop.run_in_executor(None, compression.encode, output, codec)]
 
     def _check_caller(self, context: P2PContext, raw_metadata: Optional[bytes]) -> None:
         """Refuse callers off the allow-list and, unless ``raw_metadata`` is None, those without the secret's token."""
