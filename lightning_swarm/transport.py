@@ -385,33 +385,38 @@ class DirectClient:
 
     async def _receive(self, connection: _Connection, monitor: zmq.asyncio.Socket) -> None:
         """Hand replies to their callers until the connection drops; then fail the calls still waiting."""
-        poller = zmq.asyncio.Poller()
-        poller.register(connection.socket, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        error: BaseException = ConnectionError("the direct connection was closed")
+        watch = asyncio.create_task(self._watch(monitor))
+        replies = asyncio.create_task(self._read_replies(connection))
+        error: BaseException = ConnectionError("the peer closed the direct connection")
         try:
-            while True:
-                ready = dict(await poller.poll())
-                if connection.socket in ready:
-                    request_id, *frames = await connection.socket.recv_multipart(copy=False)
-                    future = connection.pending.get(request_id.bytes)
-                    if future is not None and not future.done():
-                        future.set_result(frames)
-                if monitor in ready:
-                    event = parse_monitor_message(await monitor.recv_multipart())["event"]
-                    if event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
-                        error = ConnectionError("the peer closed the direct connection")
-                        return
-        except BaseException as e:
-            error = e if isinstance(e, Exception) else error
-            raise
+            done, _ = await asyncio.wait([watch, replies], return_when=asyncio.FIRST_COMPLETED)
+            error = next(iter(done)).exception() or error
         finally:
+            for task in (watch, replies):
+                task.cancel()
             connection.alive = False
             for future in connection.pending.values():
                 if not future.done():
                     future.set_exception(error)
             connection.socket.close(linger=0)
             monitor.close(linger=0)
+
+    @staticmethod
+    async def _read_replies(connection: _Connection) -> None:
+        while True:
+            request_id, *frames = await connection.socket.recv_multipart(copy=False)
+            future = connection.pending.get(request_id.bytes)
+            if future is not None and not future.done():
+                future.set_result(frames)
+
+    @staticmethod
+    async def _watch(monitor: zmq.asyncio.Socket) -> None:
+        """Return once the connection is gone."""
+        while parse_monitor_message(await monitor.recv_multipart())["event"] not in (
+            zmq.EVENT_DISCONNECTED,
+            zmq.EVENT_CLOSED,
+        ):
+            pass
 
     async def _session(self, peer: str) -> tuple[bytes, bytes]:
         """A live session with ``peer`` (opened over libp2p if this client has none)."""
