@@ -248,6 +248,8 @@ class History(SwarmCallback):
             calls_per_peer=router.stats.chosen if router else {},
             failed_calls_per_peer=router.stats.failed if router else {},
             bytes_sent=router.stats.bytes_sent if router else 0,
+            direct_calls=router.stats.direct_calls if router else 0,
+            p2p_calls=router.stats.p2p_calls if router else 0,
             call_seconds=self.call_seconds,
             recomputed=router.stats.recomputed if router else 0,
             stage_changes=self.stage_changes,

@@ -29,7 +29,7 @@ import math
 import threading
 import warnings
 from types import ModuleType
-from typing import Literal, Union
+from typing import Any, Literal, NamedTuple, Sequence, Union
 
 import numpy as np
 import torch
@@ -63,7 +63,30 @@ def check_codec(codec: str) -> str:
     return codec
 
 
+class WireTensor(NamedTuple):
+    """An encoded tensor with ``runtime_pb2.Tensor``'s fields, without the copy into a protobuf message:
+    ``buffer`` is ``bytes`` or a view of received bytes. Everything here reads either."""
+
+    buffer: Any
+    size: Sequence[int]
+    dtype: str
+    compression: int
+
+
 def serialize(tensor: torch.Tensor, codec: str) -> runtime_pb2.Tensor:
+    """Encode ``tensor`` for the wire as hivemind's message (see :func:`encode`)."""
+    return to_message(encode(tensor, codec))
+
+
+def to_message(tensor: Union[WireTensor, runtime_pb2.Tensor]) -> runtime_pb2.Tensor:
+    """``tensor`` as hivemind's message (a copy of its buffer, unless it is one already)."""
+    if isinstance(tensor, runtime_pb2.Tensor):
+        return tensor
+    buffer = tensor.buffer if isinstance(tensor.buffer, bytes) else bytes(tensor.buffer)
+    return runtime_pb2.Tensor(buffer=buffer, size=tensor.size, dtype=tensor.dtype, compression=tensor.compression)
+
+
+def encode(tensor: torch.Tensor, codec: str) -> WireTensor:
     """Encode ``tensor`` for the wire, compressing on its own device. Integer and bf16-under-float16 tensors are
     sent as they are."""
     compression = CODECS[codec]
@@ -78,10 +101,12 @@ def serialize(tensor: torch.Tensor, codec: str) -> runtime_pb2.Tensor:
     else:
         codes, absmax = _quantize(tensor)
         buffer, name = _host_bytes(absmax, codes), name + EIGHT_BIT_TAG
-    return runtime_pb2.Tensor(buffer=buffer, size=tensor.shape, dtype=name, compression=compression)
+    return WireTensor(buffer, list(tensor.shape), name, compression)
 
 
-def deserialize(message: runtime_pb2.Tensor, device: Union[torch.device, str, None] = None) -> torch.Tensor:
+def deserialize(
+    message: Union[WireTensor, runtime_pb2.Tensor], device: Union[torch.device, str, None] = None
+) -> torch.Tensor:
     """Decode a message written by ``serialize`` (on the CPU, or on ``device``); ``ValueError`` if it is malformed."""
     device = torch.device("cpu" if device is None else device)
     shape = tuple(message.size)  # unsigned on the wire

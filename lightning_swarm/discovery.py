@@ -1,7 +1,8 @@
 """Discovery: who serves which stage, published as small DHT records (never tensors: the DHT is for finding peers).
 
 Each serving peer stores, under ``<run_id>_stage<k>`` with its peer id as subkey, a tuple
-``(state, throughput, queue)``, refreshed every ``update_period`` seconds and expiring after ``2 * update_period``.
+``(state, throughput, queue, training[, address])``, refreshed every ``update_period`` seconds and expiring after
+``2 * update_period``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class PeerState(IntEnum):
 @dataclass(frozen=True)
 class PeerRecord:
     """What a peer says about itself: its stage (None: it only drives), state, compute throughput (samples/s),
-    queued samples, and whether it is still training on its own data."""
+    queued samples, whether it is still training on its own data, and the ``host:port`` of its direct tensor path
+    (:mod:`~lightning_swarm.transport`; empty: libp2p only)."""
 
     peer_id: str
     stage: Optional[int]
@@ -35,16 +37,21 @@ class PeerRecord:
     throughput: float
     queue: int
     training: bool = False
+    address: str = ""
 
     def to_value(self) -> tuple:
-        return (int(self.state), float(self.throughput), int(self.queue), int(self.training))
+        value = (int(self.state), float(self.throughput), int(self.queue), int(self.training))
+        return (*value, self.address) if self.address else value
 
     @classmethod
     def from_value(cls, peer_id: str, stage: Optional[int], value: object) -> Optional[PeerRecord]:
         """Parse a record, or None for one that is malformed (records come from other peers)."""
         try:
-            state, throughput, queue, training = value
-            return cls(str(peer_id), stage, PeerState(int(state)), float(throughput), int(queue), bool(training))
+            state, throughput, queue, training, *address = value  # records without an address: older peers
+            if len(address) > 1 or not all(isinstance(a, str) and len(a) <= 64 for a in address):
+                return None
+            state = PeerState(int(state))
+            return cls(str(peer_id), stage, state, float(throughput), int(queue), bool(training), *address)
         except (TypeError, ValueError):
             return None
 

@@ -39,7 +39,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from lightning_swarm import checkpointing, discovery, partitioning, rebalancing, security
+from lightning_swarm import checkpointing, discovery, partitioning, rebalancing, security, transport
 from lightning_swarm.callbacks import dispatch
 from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY
 from lightning_swarm.client.remote_pipeline import RemotePipeline, check_microbatches
@@ -54,6 +54,7 @@ from lightning_swarm.precision import check_precision
 from lightning_swarm.rebalancing import Move, Plan, Rebalancer
 from lightning_swarm.security import AccessPolicy
 from lightning_swarm.server.stage_server import StageServer
+from lightning_swarm.transport import DirectServer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -108,6 +109,12 @@ class SwarmStrategy(Strategy):
         host_maddrs: multiaddrs to listen on. Default: loopback only; use ``/ip4/0.0.0.0/tcp/<port>`` to accept
             peers from other machines.
         announce_maddrs: multiaddrs other peers should dial (e.g. a public IP), when they differ from host_maddrs.
+        direct_path: activations and gradients travel on a direct TCP connection (ZeroMQ) between a trainer and a
+            stage server instead of through libp2p's daemon (several times faster); every connection first proves
+            the swarm's membership over libp2p. Payloads are not encrypted on it: see docs/multi_machine.md. A peer
+            whose direct address cannot be reached is called over libp2p. Default True.
+        direct_port: TCP port of this peer's direct path, on the IP of ``host_maddrs`` (advertised with the IP of
+            ``announce_maddrs`` when given). Default 0: any free port.
         identity_path: file holding this peer's private key, for a stable peer id (created if missing).
         allowed_peers: peer ids (or files listing one per line) of the only peers this peer talks to: the stage
             servers, the DHT and the averagers of this peer refuse every other caller. Needs ``identity_path``,
@@ -161,6 +168,8 @@ class SwarmStrategy(Strategy):
         activation_timeout: Optional[float] = None,
         host_maddrs: Optional[Union[str, list[str]]] = None,
         announce_maddrs: Optional[Union[str, list[str]]] = None,
+        direct_path: Optional[bool] = None,
+        direct_port: Optional[int] = None,
         identity_path: Optional[str] = None,
         allowed_peers: Optional[Union[str, list[str]]] = None,
         secret: Optional[str] = None,
@@ -205,6 +214,10 @@ class SwarmStrategy(Strategy):
         self.activation_timeout = _setting("activation_timeout", activation_timeout, float, 120.0)
         self.host_maddrs = _setting("host_maddrs", host_maddrs, _as_list, list(LOOPBACK_MADDRS))
         self.announce_maddrs = _setting("announce_maddrs", announce_maddrs, _as_list, [])
+        self.direct_path = _setting("direct_path", direct_path, _flag, True)
+        self.direct_port = _setting("direct_port", direct_port, int, 0)
+        if not 0 <= self.direct_port < 2**16:
+            raise ValueError(f"direct_port must be a TCP port (0: any free port), got {self.direct_port}")
         self.identity_path = _setting("identity_path", identity_path, str, None)
         self.allowed_peers = _setting("allowed_peers", allowed_peers, _as_list, None)
         self.secret = _setting("secret", secret, str, None)
@@ -233,6 +246,8 @@ class SwarmStrategy(Strategy):
         self.node: Optional[SwarmNode] = None
         self.router: Optional[StageRouter] = None
         self.server: Optional[StageServer] = None
+        self._direct: Optional[DirectServer] = None  # the direct path's listener, started with the first stage served
+        self._direct_address = ""  # host:port others dial for it
         self.served_stage: Optional[int] = None
         self._stage_module: Optional[nn.Module] = None  # the blocks of the served stage, kept across runs
         self._announcer: Optional[Announcer] = None
@@ -530,7 +545,13 @@ class SwarmStrategy(Strategy):
         pipeline = getattr(self.lightning_module, self._pipeline_name or "", None)
         if isinstance(pipeline, RemotePipeline):
             pipeline.close()
+        if self.router is not None:
+            self.router.close()
         self.router = None
+        if self._direct is not None:
+            with contextlib.suppress(Exception):
+                self.node.run(self._direct.stop(self.node.p2p), timeout=5)
+            self._direct, self._direct_address = None, ""
         if self.node is not None:
             self.node.shutdown()
             self.node = None
@@ -569,6 +590,7 @@ class SwarmStrategy(Strategy):
             refresh_period=min(2.0, self.update_period),
             stage_wait_timeout=self.stage_wait_timeout,
             stop=self._stop_requested,
+            direct=self.direct_path,
         )
         self.router.local_server = self.server
         self.router.on_event = self.events.emit
@@ -664,6 +686,7 @@ class SwarmStrategy(Strategy):
             precision=self.precision_plugin.precision,
         )
         self._joining = True
+        self._start_direct_path()
         self._announcer = self._make_announcer()
         self._announcer.start()  # the record stays fresh however long the download below takes
         if self._stage_optimizer is not None:
@@ -680,6 +703,25 @@ class SwarmStrategy(Strategy):
             self._spans[stage].start,
             self._spans[stage].end - 1,
         )
+
+    def _start_direct_path(self) -> None:
+        """Listen for direct requests (once per peer: it answers for whichever stage this peer serves)."""
+        if not self.direct_path or self._direct is not None:
+            return
+        host = transport.listen_host(self.host_maddrs)
+        self._direct = DirectServer(
+            self.run_id,
+            lambda: None if self._joining else self.server,
+            self.node.policy,
+            host,
+            self.direct_port,
+            self.max_request_bytes,
+        )
+        port = self.node.run(self._direct.start(self.node.p2p))
+        visible = self.node.visible_maddrs() if not self.announce_maddrs else []
+        announced = transport.announced_host(host, self.announce_maddrs, visible)
+        self._direct_address = f"[{announced}]:{port}" if ":" in announced else f"{announced}:{port}"
+        log.info("Direct tensor path on %s:%d, announced as %s", host, port, self._direct_address)
 
     def _take_stage_state(self, stage: int) -> None:
         """Before serving, download the stage's state from a peer serving it: this peer's blocks are freshly
@@ -849,6 +891,7 @@ class SwarmStrategy(Strategy):
             info.get("throughput", 0.0),
             info.get("queued_samples", 0),
             self._training,
+            self._direct_address if self.server is not None else "",
         )
 
     def _wrap_local_optimizer(self, trainer: Trainer) -> None:

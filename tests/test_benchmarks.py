@@ -286,3 +286,14 @@ def test_gpu_out_of_memory_is_reported():
     assert failure(stuck, {"trainer0": "Waiting for peers to serve stage(s) [1]"})["status"] == "timed out"
     plain = subprocess.CalledProcessError(1, ["python"], stderr=b"Traceback ...\nValueError: Precision 'x' is invalid")
     assert failure(plain, {"plain": plain.stderr.decode()}) == {"status": "failed", "error": plain.stderr.decode()}
+
+
+def test_transport_smoke(tmp_path):
+    text = smoke(tmp_path, "transport", timeout=240)
+    for transport in ("hivemind P2P", "gRPC", "ZeroMQ", "direct path", "asyncio TCP"):
+        assert f"| {transport} " in text or f" {transport} |" in text, text
+    row = re.search(r"^\| 4 MiB \|" + r" ([0-9.]+) \(([0-9.]+)\) \|" * 5 + "$", text, re.MULTILINE)
+    assert row, text
+    speeds = [float(v) for v in row.groups()[::2]]
+    assert all(speed > 0 for speed in speeds) and float(row.group(10)) == 1.0, text
+    assert len(json.loads((tmp_path / "results" / "transport.json").read_text())) == 2 * 5

@@ -104,6 +104,7 @@ def test_exact_against_single_process(swarm, tmp_path, microbatches, precision):
     assert moved > 1e-3, "training changed nothing: the comparison would prove nothing"
 
     swarm_history = history(tmp_path / "swarm.json")
+    assert swarm_history["direct_calls"] > 0 and swarm_history["p2p_calls"] == 0  # stage 1 over the direct path
     assert len(swarm_history["val_losses"]) == 3  # at steps 3 and 6, then trainer.validate after fit
     assert swarm_history["val_losses"] == pytest.approx(plain_history["val_losses"], abs=loss_tolerance)
     assert swarm_history["losses"] == pytest.approx(plain_history["losses"], abs=loss_tolerance)

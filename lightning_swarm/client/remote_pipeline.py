@@ -140,7 +140,7 @@ class RemotePipeline(nn.Module):
         return list(self._pool.map(fn, *iterables))
 
     def _forward_route(self, inputs: torch.Tensor, keep: bool = False) -> tuple[torch.Tensor, Route]:
-        route, hidden = Route([], [], []), compression.serialize(inputs, self.codec)
+        route, hidden = Route([], [], []), compression.encode(inputs, self.codec)
         for stage in range(self.num_stages):
             key = uuid.uuid4().hex if keep else None
             route.inputs.append(hidden)
@@ -152,7 +152,7 @@ class RemotePipeline(nn.Module):
     def _backward_route(
         self, grad_outputs: torch.Tensor, route: Route, loss_scale: Optional[float] = None
     ) -> torch.Tensor:
-        grad = compression.serialize(grad_outputs, self.codec)
+        grad = compression.encode(grad_outputs, self.codec)
         for stage in reversed(range(self.num_stages)):
             grad = self._backward_stage(stage, grad, route, loss_scale)
         return compression.deserialize(grad)

@@ -12,6 +12,8 @@ A failed or timed-out call bans the peer for a while and the work goes to anothe
 ``max_retries`` failed attempts the stage is reported as unavailable. A stage with no usable peer at all (none in
 the DHT, or all banned) is waited for, with a log line every ``WAIT_LOG_PERIOD`` seconds, for up to
 ``stage_wait_timeout`` seconds before it is reported as unavailable.
+Calls go to a peer's direct address (:mod:`~lightning_swarm.transport`) when its record has one, and over libp2p
+otherwise, or when no direct connection can be made (remembered for ``UNREACHABLE_PERIOD`` seconds).
 """
 
 from __future__ import annotations
@@ -41,11 +43,13 @@ from lightning_swarm.errors import (
 )
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.server.stage_server import StageServer, stage_uid
+from lightning_swarm.transport import CONNECT_TIMEOUT, DirectClient, DirectRequest, DirectUnreachable
 
 log = logging.getLogger(__name__)
 
 DEFAULT_THROUGHPUT = 1.0  # samples/s assumed while no peer of the stage has been measured: only ratios matter
 WAIT_LOG_PERIOD = 10.0  # seconds between two log lines about the same stage having no live peer
+UNREACHABLE_PERIOD = 300.0  # seconds a peer whose direct address could not be reached is called over libp2p
 
 
 @dataclass
@@ -65,6 +69,8 @@ class PeerLoad:
 @dataclass
 class RouterStats:
     calls: int = 0
+    direct_calls: int = 0  # calls answered over a direct connection (transport.py)
+    p2p_calls: int = 0  # calls answered over libp2p (the peer has no direct address, or it was unreachable)
     failovers: int = 0
     recomputed: int = 0  # backward passes sent with the input again, because the forward's graph was not kept
     bytes_sent: int = 0  # tensor payloads as sent (compressed)
@@ -89,8 +95,10 @@ class StageRouter:
         refresh_period: float = 2.0,
         stage_wait_timeout: float = 300.0,
         stop: Optional[threading.Event] = None,
+        direct: bool = True,
     ) -> None:
         self.node, self.run_id, self.num_stages = node, run_id, num_stages
+        self.direct = direct  # call peers on their direct addresses when they publish one
         self.stage_wait_timeout = stage_wait_timeout
         self.stop = stop  # set when this peer is leaving: waiting for a stage ends at once
         self._wait_logged_at: dict[int, float] = {}  # stage -> when "no live peer" was last logged
@@ -103,6 +111,8 @@ class StageRouter:
         self._refreshed_at = [0.0] * num_stages
         self._lock = threading.Lock()
         self._rng = random.Random()  # seeded by the OS: trainers seeded alike must not choose alike
+        self._direct_client: Optional[DirectClient] = None  # created on the RPC event loop at the first direct call
+        self._unreachable: dict[str, float] = {}  # peer -> until when its direct address is not tried
 
     # ---- peer choice ------------------------------------------------------------------------------------------------
 
@@ -261,7 +271,8 @@ class StageRouter:
             self.stats.bytes_sent += protocol.payload_bytes(tensors)
         start = time.perf_counter()
         try:
-            reply = self.node.run(self._request(stage, peer, method, tensors, metadata), self.request_timeout + 1)
+            request = self._request(stage, peer, method, tensors, metadata)
+            reply = self.node.run(request, self.request_timeout + 1 + 2 * CONNECT_TIMEOUT)  # + a failed direct try
         except P2PHandlerError as e:
             raise _remote_error(e) from None
         finally:
@@ -282,13 +293,48 @@ class StageRouter:
         uid = stage_uid(self.run_id, stage)
         server = self.local_server
         if server is not None and server.stage == stage and peer == str(self.node.peer_id):
-            request = runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=protocol.encode_metadata(metadata))
-            response = await asyncio.wait_for(server.answer(method, request), self.request_timeout)
-            return list(response.tensors)
+            request = DirectRequest(uid, list(tensors), protocol.encode_metadata(metadata))
+            return await asyncio.wait_for(server.answer_tensors(method, request), self.request_timeout)
+        load = self._peers[stage].get(peer)
+        address = load.record.address if load is not None and self.direct else ""
+        if address and self._unreachable.get(peer, 0.0) <= time.monotonic():
+            try:
+                client = self._direct_client = self._direct_client or DirectClient(
+                    self.node.p2p, self.node.peer_id, self.run_id, getattr(self.node, "policy", None)
+                )
+                raw_metadata = protocol.encode_metadata(metadata)
+                reply = await client.call(peer, address, method, uid, tensors, raw_metadata, self.request_timeout)
+                self._count_call(direct=True)
+                return reply
+            except DirectUnreachable as e:
+                self._mark_unreachable(peer, e)
         stub = StageServer.get_stub(self.node.p2p, PeerID.from_base58(peer), namespace=self.run_id)
-        metadata = self._with_token(metadata, peer)
+        metadata, tensors = self._with_token(metadata, peer), [compression.to_message(t) for t in tensors]
         reply, _ = await protocol.call(stub, method, uid, tensors, metadata, self.request_timeout)
+        self._count_call(direct=False)
         return reply
+
+    def _count_call(self, direct: bool) -> None:
+        with self._lock:
+            if direct:
+                self.stats.direct_calls += 1
+            else:
+                self.stats.p2p_calls += 1
+
+    def _mark_unreachable(self, peer: str, error: DirectUnreachable) -> None:
+        """Call ``peer`` over libp2p for a while; say so once per peer."""
+        if peer not in self._unreachable:
+            log.warning("Calling peer %s over libp2p: its direct address cannot be used (%s)", peer, error)
+        self._unreachable[peer] = time.monotonic() + UNREACHABLE_PERIOD
+
+    def close(self) -> None:
+        """Close the direct connections (the router can still call over libp2p afterwards)."""
+        client, self._direct_client = self._direct_client, None
+        if client is not None:
+            try:
+                self.node.run(client.close(), timeout=5)
+            except Exception as e:  # the node may be stopping; the sockets die with the process
+                log.debug("Closing the direct connections failed: %r", e)
 
     def _with_token(self, metadata: dict, peer: str) -> dict:
         """``metadata`` with the proof that this peer knows the swarm's secret, if the swarm has one."""

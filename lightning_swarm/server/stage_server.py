@@ -212,8 +212,18 @@ class StageServer(ServicerBase):
 
     # ---- validation and compute -----------------------------------------------------------------------------------
 
-    async def answer(self, kind: str, request: runtime_pb2.ExpertRequest, caller: object = "this peer"):
-        """Validate a forward or backward request, run it on the worker and encode the reply."""
+    async def answer(
+        self, kind: str, request: runtime_pb2.ExpertRequest, caller: object = "this peer"
+    ) -> runtime_pb2.ExpertResponse:
+        """:meth:`answer_tensors`, as hivemind's message (for libp2p)."""
+        tensors = await self.answer_tensors(kind, request, caller)
+        return runtime_pb2.ExpertResponse(tensors=[compression.to_message(t) for t in tensors])
+
+    async def answer_tensors(
+        self, kind: str, request: runtime_pb2.ExpertRequest, caller: object = "this peer"
+    ) -> list[compression.WireTensor]:
+        """Validate a forward or backward request, run it on the worker and encode the reply. ``request`` may also
+        be any object with its fields (``uid``, ``tensors``, ``metadata``), e.g. from the direct path."""
         try:
             self._check_uid(request.uid)
             metadata = protocol.decode_metadata(request.metadata)
@@ -236,7 +246,7 @@ class StageServer(ServicerBase):
             caller_key = None if key is None else (str(caller), key)
             future = self._submit(kind, tensors, train, batch, caller_key, loss_scale)
             output = await asyncio.wrap_future(future)
-            encoded = await loop.run_in_executor(None, compression.serialize, output, codec)
+            encoded = await loop.run_in_executor(None, compression.encode, output, codec)
         except (ActivationsLostError, NotServingError):
             raise  # expected when the caller's view is stale: no log line
         except Exception as e:
@@ -244,7 +254,7 @@ class StageServer(ServicerBase):
                 raise self._overloaded(kind, repr(e)) from None
             log.warning("Stage %d refused a %s request from %s: %r", self.stage, kind, caller, e)
             raise
-        return runtime_pb2.ExpertResponse(tensors=[encoded])
+        return [encoded]
 
     def _check_caller(self, context: P2PContext, raw_metadata: Optional[bytes]) -> None:
         """Refuse callers off the allow-list and, unless ``raw_metadata`` is None, those without the secret's token."""

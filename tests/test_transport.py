@@ -1,0 +1,210 @@
+"""The direct tensor path (lightning_swarm.transport): a router's calls travel on it and get the same answers as
+over libp2p; a connection without a valid, fresh, unused proof of membership is refused before any request is
+read, and the stage is untouched; a peer whose direct address cannot be reached is called over libp2p."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+from conftest import SMALL_GPT
+from hivemind.p2p import P2P, P2PHandlerError
+from hivemind.proto import runtime_pb2
+from raw_client import RawClient, bytes_of, wait_until_serving, wire
+from test_stage_server import SERVE_ENV, activation
+
+from lightning_swarm import compression, protocol, transport
+from lightning_swarm.client.routing import StageRouter
+from lightning_swarm.discovery import PeerRecord, PeerState
+from lightning_swarm.node import SwarmNode
+from lightning_swarm.security import AccessPolicy, PeerNotAllowedError
+from lightning_swarm.server.stage_server import StageServer
+
+META = {"codec": "none", "train": True}
+
+
+def decoded(reply: list) -> list[torch.Tensor]:
+    return [compression.deserialize(t) for t in reply]
+
+
+def test_router_calls_the_direct_path_with_the_results_of_libp2p_and_falls_back(swarm):
+    peer = swarm.start("server", SMALL_GPT, env={**SERVE_ENV, "SWARM_MAX_REQUEST_BYTES": str(2**26)})
+    node = SwarmNode(initial_peers=peer.addresses()).start()
+    try:
+        client = RawClient(node, peer.addresses()[0], swarm.run_id)
+        wait_until_serving(client, peer)
+        state_before = bytes_of(client.state())
+        direct = StageRouter(node, swarm.run_id, 1, request_timeout=20)
+        p2p = StageRouter(node, swarm.run_id, 1, request_timeout=20, direct=False)
+        direct.refresh(0, force=True)
+        record = direct._peers[0][str(client.peer_id)].record
+        assert record.address.startswith("127.0.0.1:"), record
+
+        x, grad = activation(), activation()
+        for name, router in [("direct", direct), ("libp2p", p2p)]:
+            # forward kept for the caller, its backward from the kept graph, and a backward that recomputes
+            forward, _ = router.call(0, "forward", [wire(x)], {**META, "keep": "k1"}, 4)
+            kept_grad, _ = router.call(0, "backward", [wire(grad)], {**META, "kept": "k1"}, 4)
+            recomputed, _ = router.call(0, "backward", [wire(x), wire(grad)], META, 4)
+            results = [decoded(reply)[0] for reply in (forward, kept_grad, recomputed)]
+            if name == "direct":
+                expected, direct_reply = results, forward[0]
+                assert router.stats.direct_calls == 3 and router.stats.p2p_calls == 0, router.stats
+            else:
+                assert router.stats.p2p_calls == 3 and router.stats.direct_calls == 0, router.stats
+                for got, want in zip(results, expected):
+                    assert torch.equal(got, want)
+        assert expected[0].shape == x.shape and torch.equal(expected[1], expected[2])
+        # a reply of the direct path relayed as it came (as a trainer relays it to the next stage), over libp2p
+        relayed, _ = p2p.call(0, "forward", [direct_reply], {**META, "train": False}, 4)
+        assert torch.equal(decoded(relayed)[0], decoded(p2p.call(0, "forward", [wire(expected[0])], META, 4)[0])[0])
+        assert bytes_of(client.state()) == state_before  # no optimizer step (target batch size not reached)
+
+        # a large request: one message each way (no chunks), the same answer as libp2p's streams
+        big = activation(640, 32, 32)
+        assert protocol.needs_stream([wire(big)])
+        over_direct, _ = direct.call(0, "forward", [wire(big)], {**META, "train": False}, 640)
+        over_p2p, _ = p2p.call(0, "forward", [wire(big)], {**META, "train": False}, 640)
+        assert torch.equal(decoded(over_direct)[0], decoded(over_p2p)[0])
+        assert direct.stats.direct_calls == 4 and p2p.stats.p2p_calls == 6, (direct.stats, p2p.stats)
+
+        # fallback: a record whose direct address refuses connections; calls go over libp2p and succeed
+        direct.refresh_period = 1e9  # keep the doctored record
+        load = direct._peers[0][str(client.peer_id)]
+        load.record = dataclasses.replace(load.record, address="127.0.0.1:1")
+        for _ in range(2):
+            reply, _ = direct.call(0, "forward", [wire(x)], {**META, "train": False}, 4)
+            assert torch.equal(decoded(reply)[0], expected[0])
+        assert direct.stats.p2p_calls == 2 and direct.stats.direct_calls == 4, direct.stats
+        assert str(client.peer_id) in direct._unreachable
+        assert not direct.stats.failed, direct.stats  # falling back is not a failure of the peer
+        direct.close()
+    finally:
+        node.shutdown()
+
+
+def test_records_with_and_without_a_direct_address():
+    record = PeerRecord("p", 0, PeerState.SERVING, 2.5, 3, True, "10.0.0.1:4000")
+    assert PeerRecord.from_value("p", 0, record.to_value()) == record
+    old = (1, 2.5, 3, 1)  # a record published by a peer without the direct path
+    assert PeerRecord.from_value("p", 0, old) == dataclasses.replace(record, address="")
+    assert PeerRecord("p", 0, PeerState.SERVING, 2.5, 3, True).to_value() == old  # no address: the old format
+    assert PeerRecord.from_value("p", 0, (*old, 5)) is None
+    assert PeerRecord.from_value("p", 0, (*old, "x" * 65)) is None
+    assert PeerRecord.from_value("p", 0, (*old, "a:1", "b:2")) is None
+
+
+def test_addresses_of_the_direct_path():
+    assert transport.listen_host(["/ip4/0.0.0.0/tcp/31337"]) == "0.0.0.0"
+    assert transport.listen_host(["/ip6/::1/tcp/0"]) == "::1"
+    assert transport.listen_host([]) == "127.0.0.1"
+    assert transport.announced_host("0.0.0.0", ["/ip4/203.0.113.5/tcp/31337"], []) == "203.0.113.5"
+    assert transport.announced_host("127.0.0.1", [], []) == "127.0.0.1"
+    visible = ["/ip4/127.0.0.1/tcp/5/p2p/x", "/ip4/192.168.1.7/tcp/5/p2p/x"]
+    assert transport.announced_host("0.0.0.0", [], visible) == "192.168.1.7"
+
+
+# ---- refusals: an in-process stage server with the direct path, and raw ZeroMQ connections to it -----------------
+
+
+async def handshake(port: int, credentials: tuple[bytes, bytes] | None, payload: bytes = b"") -> float:
+    """Connect with ``credentials`` (None: no security mechanism) and send ``payload`` as a request; returns the
+    seconds until the handshake succeeded, or raises PeerNotAllowedError / ConnectionError as the client would."""
+    context = zmq.asyncio.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.RECONNECT_IVL, -1)
+    if credentials is not None:
+        socket.plain_username, socket.plain_password = credentials
+    monitor = socket.get_monitor_socket()
+    socket.connect(f"tcp://127.0.0.1:{port}")
+    start = time.perf_counter()
+    try:
+        if payload:
+            await socket.send_multipart([b"\0" * 8, b"\x80", payload], copy=False)
+        await asyncio.wait_for(transport.await_handshake(monitor), 10)
+        return time.perf_counter() - start
+    finally:
+        context.destroy(linger=0)
+
+
+def test_connections_without_a_valid_proof_are_refused_and_the_stage_is_untouched():
+    async def main() -> None:
+        server_p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        maddrs = [str(m) for m in await server_p2p.get_visible_maddrs()]
+        caller_p2p = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        outsider_p2p = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        allowed = [str(server_p2p.peer_id), str(caller_p2p.peer_id)]
+        policy = AccessPolicy.create(allowed, secret="s3cret")
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(8, 8))
+        stage = StageServer("run", 0, module, torch.device("cpu"), policy=policy)
+        direct = transport.DirectServer("run", lambda: stage, policy, max_request_bytes=2**27)
+        port = await direct.start(server_p2p)
+        before = {k: v.clone() for k, v in module.state_dict().items()}
+        try:
+            server = str(server_p2p.peer_id)
+            x = compression.serialize(torch.randn(2, 8), "none")
+
+            # opening a session: the secret's token and the allow-list are checked (over libp2p)
+            for p2p, key in [(caller_p2p, "wrong"), (outsider_p2p, "s3cret")]:
+                wrong = transport.DirectClient(p2p, p2p.peer_id, "run", AccessPolicy.create(secret=key))
+                stub = transport.DirectServer.get_stub(p2p, server_p2p.peer_id, namespace="run")
+                metadata = wrong.policy.sign_metadata({}, "run", p2p.peer_id, server)
+                request = runtime_pb2.ExpertRequest(metadata=protocol.encode_metadata(metadata))
+                with pytest.raises(P2PHandlerError, match="PeerNotAllowedError"):
+                    await stub.rpc_open_session(request)
+                with pytest.raises(transport.DirectUnreachable, match="opened no direct session"):
+                    await wrong.call(server, f"127.0.0.1:{port}", "forward", stage.uid, [x], b"", 10)
+                await wrong.close()
+
+            # a member: a session, then connections with one-time tokens
+            member = transport.DirectClient(caller_p2p, caller_p2p.peer_id, "run", policy)
+            reply = await member.call(server, f"127.0.0.1:{port}", "forward", stage.uid, [x], b"", 10)
+            assert torch.equal(compression.deserialize(reply[0]), module(compression.deserialize(x)).detach())
+            session, key = await member._session(server)
+            name = session.hex().encode()
+            fresh = transport.connection_token(key, session, time.time(), b"n" * 16)
+            assert await handshake(port, (name, fresh)) < 5  # a valid token opens a connection...
+            with pytest.raises(PeerNotAllowedError):  # ... once: the same token again is a replay
+                await handshake(port, (name, fresh))
+            stale = transport.connection_token(key, session, time.time() - 2 * transport.MAX_CLOCK_SKEW, b"o" * 16)
+            forged = transport.connection_token(b"k" * 32, session, time.time(), b"p" * 16)
+            unknown = transport.connection_token(key, b"u" * 16, time.time(), b"q" * 16)
+            big = bytes(64 * 2**20)  # a refused connection never gets its request through, however large
+            for credentials in [(name, stale), (name, forged), (b"75" * 16, unknown), (name, b"garbage")]:
+                with pytest.raises(PeerNotAllowedError):
+                    await handshake(port, credentials, big)
+            start = time.perf_counter()
+            with pytest.raises(PeerNotAllowedError):
+                await handshake(port, (name, forged), big)
+            refused_in = time.perf_counter() - start
+            assert refused_in < 2.0, refused_in
+            with pytest.raises((ConnectionError, PeerNotAllowedError)):  # no security mechanism at all
+                await handshake(port, None, big)
+            # an allowed session of a peer later taken off the allow-list
+            outsider = direct.sessions[session]
+            direct.sessions[b"o" * 16] = dataclasses.replace(outsider, caller=str(outsider_p2p.peer_id))
+            with pytest.raises(PeerNotAllowedError):
+                token = transport.connection_token(key, b"o" * 16, time.time(), b"r" * 16)
+                await handshake(port, ((b"o" * 16).hex().encode(), token), big)
+
+            # the stage computed only the member's forward: no backward, no kept graph, parameters unchanged
+            info = stage.info()
+            assert info["backward_samples"] == 0 and info["kept_bytes"] == 0, info
+            assert stage.throughput.num_updates == 1
+            for k, v in module.state_dict().items():
+                assert torch.equal(v, before[k])
+            print(f"a refused 64 MiB request: refused after {refused_in * 1000:.0f} ms")
+            await member.close()
+        finally:
+            await direct.stop(server_p2p)
+            stage.shutdown()
+            for p2p in (outsider_p2p, caller_p2p, server_p2p):
+                await p2p.shutdown()
+
+    asyncio.run(main())
