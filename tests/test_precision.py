@@ -20,6 +20,7 @@ from lightning_swarm.client.routing import RouterStats
 from lightning_swarm.errors import SwarmRequestError
 from lightning_swarm.precision import check_precision
 from lightning_swarm.server.stage_server import StageServer
+from lightning_swarm.transport import DirectRequest
 
 D = 16
 
@@ -224,10 +225,8 @@ class InProcessRouter:
 
     def call_peer(self, stage, peer, method, messages, metadata, batch):
         server = self.servers[stage]
-        message = runtime_pb2.ExpertRequest(
-            uid=server.uid, tensors=messages, metadata=protocol.encode_metadata(metadata)
-        )
-        return list(asyncio.run(server.answer(method, message)).tensors)
+        request = DirectRequest(server.uid, list(messages), protocol.encode_metadata(metadata))
+        return asyncio.run(server.answer_tensors(method, request))
 
 
 @pytest.mark.parametrize("init_scale", [2.0**12, 2.0**40], ids=["in range", "overflowing"])
