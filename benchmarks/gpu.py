@@ -5,7 +5,7 @@ examples/gpt.py with 8 blocks, d_model 1024, 2048 and 4096 (64 dimensions per he
 `gpt.py --single` on the GPU. Swarm: one serve-only peer per stage and one drive-only trainer, all on the same
 GPU, so plain training is the ceiling (the same GPU does the same compute); 8-bit wire, an optimizer step every
 batch, synchronous or delayed stage updates, the strategy's default microbatches (`--microbatches` sets them).
-Precision through Lightning's `PL_TRAINER_PRECISION` (`32-true`, `bf16-mixed`). Each run trains warm-up
+Precision through `gpt.py --precision` (`32-true`, `bf16-mixed`). Each run trains warm-up
 batches, then timed batches: samples/s over the timed ones, from the trainer's own step times. Peak GPU memory per
 process: torch's `max_memory_reserved` and `max_memory_allocated` as the process reports them itself
 (examples/gpt.py with `GPT_CUDA_MEMORY_DIR`), and the most `nvidia-smi --query-compute-apps` showed for its pid,
@@ -203,7 +203,8 @@ def run(settings: dict, run_args: list[str], work: Path, warmup: int, timeout: f
     memory per process."""
     memory_dir = work / f"memory_{len(list(work.glob('memory_*')))}"
     memory_dir.mkdir()
-    os.environ.update(GPT_CUDA_MEMORY_DIR=str(memory_dir), PL_TRAINER_PRECISION=settings["precision"])
+    os.environ["GPT_CUDA_MEMORY_DIR"] = str(memory_dir)
+    run_args = [*run_args, "--precision", settings["precision"]]
     run_id = f"gpu{settings['d_model']}_{memory_dir.name}"
     start = time.time()
     with GpuMemoryPoller() as poller:
@@ -304,7 +305,7 @@ def write(runs: list[dict], path: Path) -> None:
         "`python benchmarks/gpu.py` (see its docstring): examples/gpt.py with 8 blocks, 64 dimensions per head, "
         "batch 8 x 512 tokens (`--device cpu`: d_model 64, 2 blocks, batch 4 x 32); plain training "
         "(`gpt.py --single`) against one serve-only peer per stage and one drive-only trainer, all on the same GPU; "
-        "8-bit wire, an optimizer step every batch; precision through `PL_TRAINER_PRECISION`; samples/s over "
+        "8-bit wire, an optimizer step every batch; precision through `gpt.py --precision`; samples/s over "
         "timed batches after warm-up ones.",
         "",
         "Targets (issue 14): swarm / plain >= 0.8 at d_model 2048 and >= 0.5 at d_model 1024, in `32-true` and "
