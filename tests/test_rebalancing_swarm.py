@@ -92,6 +92,7 @@ def test_a_throttled_peer_gets_work_in_proportion_to_its_throughput(swarm, tmp_p
     half that picking blindly would give it."""
     model = ["--d-model", "128", "--n-layer", "4", "--n-head", "4", "--block-size", "64", "--batch-size", "16"]
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_REBALANCE_PERIOD": "0", "SWARM_TARGET_BATCH_SIZE": "64"}
+    env["SWARM_MICROBATCHES"] = "1"  # one pick at a time: concurrent picks see each other's calls in flight
     env["SWARM_ROLE"] = "serve"
     swarm.start("fast", model, env={**env, "SWARM_STAGE": "0"})
     swarm.start("slow", model, env={**env, "SWARM_STAGE": "0", "SWARM_THROTTLE": "3"})
