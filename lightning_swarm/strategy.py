@@ -42,7 +42,8 @@ from torch import nn
 from lightning_swarm import checkpointing, discovery, partitioning, rebalancing, security, transport
 from lightning_swarm.callbacks import dispatch
 from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY
-from lightning_swarm.client.remote_pipeline import RemotePipeline, check_microbatches
+from lightning_swarm.client.microbatch_tuning import check_microbatches
+from lightning_swarm.client.remote_pipeline import RemotePipeline
 from lightning_swarm.client.routing import StageRouter
 from lightning_swarm.compression import Codec, check_codec
 from lightning_swarm.discovery import Announcer, PeerRecord, PeerState
@@ -96,7 +97,8 @@ class SwarmStrategy(Strategy):
         microbatches: a training batch is split into this many microbatches that travel through the stages
             concurrently, so that one trainer keeps several stages busy and transfers overlap compute (loss and
             gradients equal the unsplit batch's). Uses the largest divisor of the batch size not above it.
-            Default ``"auto"``: two per stage (``2 * num_stages``), each of at least one sample.
+            Default ``"auto"``: measured: starts at two per stage (``2 * num_stages``) and climbs to the
+            neighbouring divisor of the batch size while that is at least 5% faster over a few batches.
         checkpoint_activations: a stage server keeps only each block's input from a training forward and
             recomputes the block in backward (activation checkpointing): memory stays flat with many microbatches in
             flight, for about one more forward of compute. Default False.

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 import lightning as L
 import pytest
@@ -18,7 +19,8 @@ from torch import nn
 
 import lightning_swarm
 from lightning_swarm import compression, partitioning, protocol
-from lightning_swarm.client.remote_pipeline import RemotePipeline, microbatch_count
+from lightning_swarm.client.microbatch_tuning import MIN_GAIN, MicrobatchTuner, divisors
+from lightning_swarm.client.remote_pipeline import RemotePipeline
 from lightning_swarm.client.routing import PeerLoad, RouterStats, StageRouter
 from lightning_swarm.discovery import PeerRecord, PeerState
 from lightning_swarm.launch import Peer
@@ -348,7 +350,7 @@ def test_peer_log_drops_torch_kernel_listings_printed_or_escaped_in_a_remote_err
 @pytest.mark.parametrize(
     "batch_size, microbatches, num_stages, count",
     [
-        (16, "auto", 2, 4),  # two per stage
+        (16, "auto", 2, 4),  # tuning starts at two per stage
         (16, "auto", 4, 8),
         (8, "auto", 1, 2),
         (6, "auto", 2, 3),  # the largest divisor of the batch size not above 2 * num_stages
@@ -360,8 +362,53 @@ def test_peer_log_drops_torch_kernel_listings_printed_or_escaped_in_a_remote_err
         (12, 8, 2, 6),
     ],
 )
-def test_microbatch_count(batch_size, microbatches, num_stages, count):
-    assert microbatch_count(batch_size, microbatches, num_stages) == count
+def test_first_microbatch_count(batch_size, microbatches, num_stages, count):
+    assert MicrobatchTuner(microbatches, num_stages).count(batch_size) == count
+
+
+def tune(tuner: MicrobatchTuner, batch_size: int, seconds: Callable[[int], float], batches: int = 60) -> list[int]:
+    """Feed ``tuner`` batches whose time is ``seconds(count)``; the counts it chose, batch by batch."""
+    counts = []
+    for _ in range(batches):
+        counts.append(tuner.count(batch_size))
+        tuner.record(batch_size, counts[-1], seconds(counts[-1]))
+    return counts
+
+
+def pipeline_seconds(compute: float, per_call: float, stages: int = 2) -> Callable[[int], float]:
+    """A batch's time through ``stages`` stages in ``count`` microbatches: (count + stages - 1) slots of
+    compute / count plus a fixed cost per call."""
+    return lambda count: (count + stages - 1) * (compute / count + per_call)
+
+
+@pytest.mark.parametrize(
+    "compute, per_call, best",
+    [
+        (6.0, 0.001, 16),  # a large model on a fast link: many small microbatches hide the bubble
+        (1.8, 0.01, 8),  # 16 would be 1.5% faster than 8: not measurably
+        (0.4, 0.01, 4),  # the optimum sqrt((S-1) * compute / per_call) = 6.3 lies between 4 and 8; 4 is faster
+        (0.04, 0.05, 1),  # a small model with costly calls: one microbatch, found by turning back from 8
+        (0.2, 0.05, 2),
+    ],
+)
+def test_auto_microbatches_settle_on_the_fastest_count(compute, per_call, best):
+    seconds = pipeline_seconds(compute, per_call)
+    assert seconds(best) <= (1 + MIN_GAIN) * min(map(seconds, divisors(16)))
+    tuner = MicrobatchTuner("auto", num_stages=2)
+    counts = tune(tuner, 16, seconds)
+    assert counts[0] == 4 and tuner.settled(16) == best and counts[-10:] == [best] * 10
+    assert tuner.settled(8) is None and tuner.count(8) == 4  # each batch size is tuned on its own
+
+
+def test_auto_microbatches_keep_a_count_that_is_not_measurably_slower():
+    tuner = MicrobatchTuner("auto", num_stages=2)
+    counts = tune(tuner, 16, lambda count: 1.0 - 0.01 * count)  # 8 is 4% faster than 4: within the noise
+    assert tuner.settled(16) == 4 and set(counts) == {4, 8, 2}
+
+
+def test_fixed_microbatches_are_never_tuned():
+    tuner = MicrobatchTuner(3, num_stages=2)
+    assert set(tune(tuner, 12, pipeline_seconds(1.8, 0.01))) == {3} and tuner.settled(12) is None
 
 
 def test_microbatches_default_to_auto_from_arguments_or_environment(monkeypatch):

@@ -11,57 +11,33 @@ came, compressed, and only the pipeline's output and input gradient are decoded 
 
 A batch is split into equal microbatches that travel through the stages concurrently (each on its own route), so
 that one trainer keeps several stages busy at once and their transfers overlap other microbatches' compute: by
-default (``"auto"``) two per stage (:func:`microbatch_count`). Outputs and input gradients are concatenated back,
-so the loss and the gradients equal the unsplit batch's: each microbatch's output gradient is scaled to be that of
-its own mean loss, which is what the stage optimizers accumulate, and the returned gradient is scaled back.
+default (``"auto"``) as many as measured fastest (``microbatch_tuning``). Outputs and input gradients are
+concatenated back, so the loss and the gradients equal the unsplit batch's: each microbatch's output gradient is
+scaled to be that of its own mean loss, which is what the stage optimizers accumulate, and the returned gradient is
+scaled back.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional, TypeVar, Union
+from typing import Callable, Optional, TypeVar, Union
 
 import torch
 from hivemind.proto import runtime_pb2
 from torch import nn
 
 from lightning_swarm import compression
+from lightning_swarm.client.microbatch_tuning import Microbatches, MicrobatchTuner
 from lightning_swarm.client.routing import StageRouter
 from lightning_swarm.errors import ActivationsLostError, SwarmRequestError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-Microbatches = Union[int, Literal["auto"]]
-AUTO_MICROBATCHES_PER_STAGE = 2  # one in each stage's compute, one in transfer: every stage stays busy
-MIN_MICROBATCH_SIZE = 1  # samples
-
-
-def microbatch_count(batch_size: int, microbatches: Microbatches, num_stages: int) -> int:
-    """How many equal microbatches a batch of ``batch_size`` samples is split into: the largest divisor of the
-    batch size not above ``microbatches``; ``"auto"``: not above ``AUTO_MICROBATCHES_PER_STAGE * num_stages``, nor
-    making microbatches smaller than ``MIN_MICROBATCH_SIZE`` samples."""
-    if microbatches == "auto":
-        wanted = min(AUTO_MICROBATCHES_PER_STAGE * num_stages, batch_size // MIN_MICROBATCH_SIZE)
-    else:
-        wanted = microbatches
-    return max(d for d in range(1, min(wanted, batch_size) + 1) if batch_size % d == 0)
-
-
-def check_microbatches(value: Union[int, str]) -> Microbatches:
-    """``"auto"`` or a count of at least 1 (from an argument or an environment variable), else a ``ValueError``."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    try:
-        count = int(value)
-    except (TypeError, ValueError):
-        count = 0
-    if count < 1:
-        raise ValueError(f"microbatches must be 'auto' or at least 1, got {value!r}")
-    return count
+MAX_THREADS = 64  # microbatches in flight at once with "auto"; threads start only as microbatches need them
 
 
 @dataclass
@@ -79,8 +55,8 @@ class RemotePipeline(nn.Module):
 
     Args:
         microbatches: a batch is split into this many equal microbatches in flight at once (fewer when the batch
-            size is not a multiple: the largest divisor of the batch size not above it), or ``"auto"``: see
-            :func:`microbatch_count`.
+            size is not a multiple: the largest divisor of the batch size not above it), or ``"auto"``: tuned by
+            measuring the batches' times (:class:`~lightning_swarm.client.microbatch_tuning.MicrobatchTuner`).
         loss_scale: returns the scale of the trainer's GradScaler (``16-mixed``), or None: the gradients sent to
             the stages are scaled by it, and it travels with them so that the stages unscale theirs.
     """
@@ -93,10 +69,10 @@ class RemotePipeline(nn.Module):
         loss_scale: Optional[Callable[[], Optional[float]]] = None,
     ) -> None:
         super().__init__()
-        self.router, self.microbatches, self.loss_scale = router, check_microbatches(microbatches), loss_scale
+        self.router, self.loss_scale = router, loss_scale
+        self.tuner = MicrobatchTuner(microbatches, router.num_stages)
         self.codec = compression.check_codec(codec)
-        # the count is resolved per batch; the pool starts threads only as microbatches need them
-        most = AUTO_MICROBATCHES_PER_STAGE * router.num_stages if self.microbatches == "auto" else self.microbatches
+        most = MAX_THREADS if self.tuner.microbatches == "auto" else self.tuner.microbatches
         self._pool = ThreadPoolExecutor(most, "swarm-microbatch") if most > 1 else None
         # a leaf that requires grad, so that backward reaches the stages even when the input needs no gradient
         self.register_buffer("_grad_anchor", torch.empty(0), persistent=False)
@@ -132,7 +108,7 @@ class RemotePipeline(nn.Module):
 
     def _split(self, inputs: torch.Tensor) -> list[torch.Tensor]:
         size = inputs.shape[0] if inputs.ndim else 1
-        return list(inputs.chunk(microbatch_count(size, self.microbatches, self.num_stages)))
+        return list(inputs.chunk(self.tuner.count(size)))
 
     def _map(self, fn: Callable[..., T], *iterables: list) -> list[T]:
         if self._pool is None or len(iterables[0]) == 1:
@@ -203,14 +179,17 @@ class RemotePipeline(nn.Module):
 class _RemoteStages(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pipeline: RemotePipeline, anchor: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
         outputs, routes = pipeline.run_forward(inputs, keep=True)
-        ctx.pipeline, ctx.routes = pipeline, routes
+        ctx.pipeline, ctx.routes, ctx.started = pipeline, routes, started
         ctx.input_device, ctx.input_dtype = inputs.device, inputs.dtype
         return outputs
 
     @staticmethod
     def backward(ctx, grad_outputs: torch.Tensor):
         grad_inputs = ctx.pipeline.run_backward(grad_outputs, ctx.routes)
+        batch_size = grad_outputs.shape[0] if grad_outputs.ndim else 1
+        ctx.pipeline.tuner.record(batch_size, len(ctx.routes), time.perf_counter() - ctx.started)
         if not ctx.needs_input_grad[2]:
             return None, None, None
         return None, None, grad_inputs.to(device=ctx.input_device, dtype=ctx.input_dtype)
