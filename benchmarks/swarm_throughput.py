@@ -4,9 +4,9 @@ microbatches in flight buy, each stage's compute/communication ratio, the bytes 
 
 Every configuration trains examples/gpt.py on this machine: plain single-process training, then a 2-stage swarm
 (one serve-only peer per stage and a drive-only trainer, 8-bit compression) with synchronous or delayed stage
-updates and 1 or 4 microbatches in flight. Each process gets one torch thread. Throughput is measured over the
-second half of the trainer's steps (after start-up and warm-up). The ideal pipeline throughput is the slowest
-stage's: each stage's forward and backward, timed alone in a process of its own in the same run.
+updates and 1, 4 or "auto" (measured) microbatches in flight. Each process gets one torch thread. Throughput is
+measured over the second half of the trainer's steps (after start-up and warm-up). The ideal pipeline throughput is
+the slowest stage's: each stage's forward and backward, timed alone in a process of its own in the same run.
 
     python benchmarks/swarm_throughput.py            # writes benchmarks/RESULTS.md
     python benchmarks/swarm_throughput.py --smoke    # seconds-long check that the script works
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -47,7 +47,8 @@ SWARM = {
 VARIANTS = [  # (label, delayed updates, microbatches)
     ("synchronous, 1 microbatch", False, 1),
     ("synchronous, 4 microbatches", False, 4),
-    ("delayed, 4 microbatches", True, 4),
+    ("synchronous, auto microbatches", False, "auto"),
+    ("delayed, auto microbatches", True, "auto"),
 ]
 
 
@@ -108,7 +109,7 @@ def train_on_swarm(
     return [json.loads(path.read_text()) for path in paths], peaks
 
 
-def swarm(args: list[str], work: Path, run_id: str, delayed: bool, microbatches: int) -> dict:
+def swarm(args: list[str], work: Path, run_id: str, delayed: bool, microbatches: Union[int, str]) -> dict:
     """Train with one serve-only peer per stage and one trainer; its history, plus the stage peers' peak RSS
     (``stage_peak_rss``)."""
     env = {"SWARM_DELAYED_UPDATES": str(delayed), "SWARM_MICROBATCHES": str(microbatches)}
