@@ -32,6 +32,8 @@ from lightning.fabric.utilities.init import _materialize_meta_tensors
 from torch import nn
 from torch.func import functional_call
 
+from lightning_swarm.precision import parameter_dtype
+
 log = logging.getLogger(__name__)
 
 BUDGET_MARGIN = 0.2  # of the device's free memory, left out of the default budget (activations, workspace)
@@ -334,6 +336,12 @@ class OutOfCoreStage(nn.Module):
         self.profile = False
         self._events: list[tuple[int, Any, Any]] = []  # (block, start, end) of each forward compute, when profiled
 
+    def _apply(self, fn: Callable, recurse: bool = True) -> OutOfCoreStage:
+        """``.to()`` and the like change the host tensors: the device copies of the old ones go."""
+        self.blocks_on_device -= len(self._cached)
+        self._cached.clear()
+        return super()._apply(fn, recurse)
+
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (inputs.requires_grad or any(p.requires_grad for p in self._params)):
             return _SwappedPass.apply(self, inputs, *self._params)
@@ -506,24 +514,38 @@ def block_bytes(blocks: Sequence[nn.Module], dtype: Optional[torch.dtype] = None
 OutOfCore = Union[bool, str]
 
 
+def check_out_of_core(value: Union[bool, str]) -> OutOfCore:
+    """``value`` as True, False or ``"auto"`` (also from the environment's words: true/false, 1/0, yes/no, on/off)."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word == "auto":
+        return "auto"
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"out_of_core={value!r}: choose True, False or 'auto'")
+
+
 def prepare_stage(
     blocks: nn.Sequential,
     device: torch.device,
     convert: Callable[[nn.Module], nn.Module],
+    precision: str,
     out_of_core: OutOfCore = "auto",
     budget: Optional[int] = None,
-    parameter_dtype: Optional[torch.dtype] = None,
 ) -> nn.Module:
     """The module a stage server runs: ``blocks`` materialised (if on the meta device) and converted by ``convert``
-    (the precision plugin's), on ``device`` as they are, or an :class:`OutOfCoreStage` whose parameters stay on the
-    host.
+    (the precision plugin's, to ``precision``), on ``device`` as they are, or an :class:`OutOfCoreStage` whose
+    parameters stay on the host.
 
     ``out_of_core``: True always, False never, ``"auto"`` when the stage's parameters and gradients exceed
     ``budget`` (bytes of device memory; None: the device's free memory less a margin, no limit on the CPU).
     """
     if budget is None:
         budget = default_budget(device)
-    sizes = block_bytes(blocks, parameter_dtype)
+    sizes = block_bytes(blocks, parameter_dtype(precision))
     if out_of_core == "auto":
         out_of_core = budget is not None and 2 * sum(sizes) > budget
     if not out_of_core:
