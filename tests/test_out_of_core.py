@@ -134,6 +134,25 @@ def test_plan_keeps_resident_what_fits_and_what_compute_cannot_hide():
         plan_out_of_core(sizes, budget=399)
 
 
+def test_stage_plans_again_from_the_compute_it_measured(caplog):
+    """Given the copy bandwidth, the stage times its blocks in two training forwards after a first one, then plans
+    again: with copies that cost next to nothing, only the first block of each pass (whose copy nothing hides)
+    stays resident, and the memory the first plan gave the others goes back."""
+    blocks = gpt_blocks()
+    sizes = block_bytes(blocks)
+    plan = plan_out_of_core(sizes, budget=7 * sizes[0])
+    stage = OutOfCoreStage(list(blocks), CPU, plan, copy_bandwidth=1e15)
+    assert plan.resident == (3, 4, 5)  # sizes only: as many as fit
+    for _ in range(3):
+        assert stage.plan is plan
+        stage(torch.randn(2, 8, 32, requires_grad=True)).sum().backward()
+        with torch.no_grad():
+            stage(torch.randn(2, 8, 32))  # inference forwards are not timed
+    assert stage.plan.resident == (0, 5) and stage.plan.predicted_s is not None
+    assert stage.blocks_on_device == 2  # copies of blocks 3 and 4 went; block 0's came in the last backward
+    assert "planned again from measured timings: 2 of 6 blocks resident" in caplog.text
+
+
 def test_auto_goes_out_of_core_only_over_budget(caplog):
     """``auto``: a stage that fits its budget is built as before; one that does not is served out of core, built on
     the host from the meta device, with the same state dict keys."""

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 BUDGET_MARGIN = 0.2  # of the device's free memory, left out of the default budget (activations, workspace)
 BACKWARD_COST = 3.0  # a block's recompute and backward, in forwards (backward costs about two)
+MEASURE_PASSES = 2  # training forwards timed (after a first, warm-up one) before the stage plans again
 
 
 @dataclass(frozen=True)
@@ -306,11 +307,21 @@ class OutOfCoreStage(nn.Module):
 
     Its state dict, parameters and their ``.grad`` are those of the blocks (on the host), with the same keys as the
     resident stage. ``blocks_on_device`` counts the blocks with parameters on the device now, and
-    ``peak_blocks_on_device`` its highest value; with ``profile`` on, :meth:`timings` gives per-block compute times
-    and the copies' bandwidth (CUDA events, so it synchronises; for measurements, not for serving).
+    ``peak_blocks_on_device`` its highest value; ``copied_bytes`` the bytes copied either way.
+
+    With the host-device ``copy_bandwidth`` (bytes/s) given, the stage times its blocks' compute in
+    ``measure_passes`` training forwards (after a first one, which warms up), then plans again with those timings
+    (:meth:`replan`): a plan made before any input was seen knows only the blocks' sizes.
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], device: torch.device, plan: OutOfCorePlan) -> None:
+    def __init__(
+        self,
+        blocks: Sequence[nn.Module],
+        device: torch.device,
+        plan: OutOfCorePlan,
+        copy_bandwidth: Optional[float] = None,
+        measure_passes: int = MEASURE_PASSES,
+    ) -> None:
         super().__init__()
         for index, block in enumerate(blocks):
             self.add_module(str(index), block)
@@ -333,7 +344,9 @@ class OutOfCoreStage(nn.Module):
         self._cached: dict[int, tuple[tuple, dict[str, torch.Tensor], Optional[torch.cuda.Event]]] = {}
         self.blocks_on_device = self.peak_blocks_on_device = 0
         self.copied_bytes = 0
-        self.profile = False
+        self.copy_bandwidth = copy_bandwidth
+        self._measure_passes = measure_passes
+        self._unmeasured = measure_passes + 1 if copy_bandwidth else 0  # training forwards until the stage replans
         self._events: list[tuple[int, Any, Any]] = []  # (block, start, end) of each forward compute, when profiled
 
     def _apply(self, fn: Callable, recurse: bool = True) -> OutOfCoreStage:
@@ -349,21 +362,26 @@ class OutOfCoreStage(nn.Module):
             return self._forward_pass(inputs, keep=False)[0]
 
     def _forward_pass(self, hidden: torch.Tensor, keep: bool) -> tuple[torch.Tensor, list, list]:
-        """The blocks in order without autograd; with ``keep``, each block's input and random state too."""
+        """The blocks in order without autograd; with ``keep`` (training), each block's input and random state too."""
         window, block_inputs, rng = _Window(self, range(len(self._blocks))), [], []
+        timed = keep and 0 < self._unmeasured <= self._measure_passes  # the first training forward warms up
         try:
             for step, block in enumerate(window.order):
                 tensors = window.acquire(step)
                 if keep:
                     block_inputs.append(hidden)
                     rng.append(self._rng_state())
-                with self._timed(block):
+                with self._timed(block) if timed else contextlib.nullcontext():
                     hidden = functional_call(self._blocks[block], tensors, (hidden,))
                 if self.training and any(True for _ in self._blocks[block].buffers()):
                     self._write_back_buffers(block, tensors)
                 window.release(step)
         finally:
             window.close()
+        if keep and self._unmeasured:
+            self._unmeasured -= 1
+            if not self._unmeasured:
+                self.replan(self.plan.budget, self.copy_bandwidth)
         return hidden, block_inputs, rng
 
     def _backward_pass(
@@ -392,6 +410,7 @@ class OutOfCoreStage(nn.Module):
                 grad = found[0] if wants_input else None
                 found = found[int(wants_input) :]
                 device_grads = [torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(trained, found)]
+                self.copied_bytes += _tensor_bytes(device_grads)
                 for n, host in zip(trained, self._copies.to_host(device_grads)):
                     grads[id(params[n])] = host
                 del outputs, found, device_grads, leaves, tensors
@@ -438,9 +457,6 @@ class OutOfCoreStage(nn.Module):
 
     @contextlib.contextmanager
     def _timed(self, block: int):
-        if not self.profile:
-            yield
-            return
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -453,7 +469,7 @@ class OutOfCoreStage(nn.Module):
         self._events.append((block, start, end))
 
     def timings(self) -> list[float]:
-        """Mean forward seconds of each block over the profiled passes (0 for a block never profiled)."""
+        """Mean forward seconds of each block over the timed passes (0 for a block never timed)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         totals, counts = [0.0] * len(self._blocks), [0] * len(self._blocks)
@@ -467,6 +483,7 @@ class OutOfCoreStage(nn.Module):
         """Plan again from the forward times profiled so far and ``bandwidth``; resident copies no longer planned
         go at once."""
         self.plan = plan_out_of_core(self.plan.block_bytes, self.timings(), bandwidth, budget)
+        self._events.clear()
         self._resident = set(self.plan.resident)
         for block in [b for b in self._cached if b not in self._resident]:
             del self._cached[block]
@@ -554,9 +571,10 @@ def prepare_stage(
     host = torch.device("cpu")
     _materialize_meta_tensors(blocks, host)
     blocks = convert(blocks).to(host)
-    plan = plan_out_of_core(block_bytes(blocks), None, measure_copy_bandwidth(device), budget)
+    bandwidth = measure_copy_bandwidth(device)
+    plan = plan_out_of_core(block_bytes(blocks), None, bandwidth, budget)
     log.warning("Serving the stage out of core: %s", plan.describe())
-    return OutOfCoreStage(list(blocks), device, plan)
+    return OutOfCoreStage(list(blocks), device, plan, copy_bandwidth=bandwidth)
 
 
 def spare_bytes(module: nn.Module) -> Optional[int]:
