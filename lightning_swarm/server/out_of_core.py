@@ -178,17 +178,13 @@ class _Copies:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.copy_s = 0.0  # measured on the CPU only (CUDA: see OutOfCoreStage.profile)
 
     def to_device(self, host: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Optional[torch.cuda.Event]]:
         """Device copies of ``host`` and the event that marks them complete. They are allocated on the compute
         stream, and the copy waits for the compute queued so far: memory a finished block gave back is reused only
         once its kernels ran."""
         if self.stream is None:
-            start = time.perf_counter()
-            copies = {name: t.detach().clone() for name, t in host.items()}
-            self.copy_s += time.perf_counter() - start
-            return copies, None
+            return {name: t.detach().clone() for name, t in host.items()}, None
         copies = {name: torch.empty_like(t, device=self.device) for name, t in host.items()}
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
@@ -202,10 +198,7 @@ class _Copies:
         """Host copies (pinned on CUDA) of ``tensors`` once the compute queued so far produced them; complete after
         :meth:`synchronize`."""
         if self.stream is None:
-            start = time.perf_counter()
-            copies = [t.clone() for t in tensors]
-            self.copy_s += time.perf_counter() - start
-            return copies
+            return [t.clone() for t in tensors]
         copies = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
@@ -232,13 +225,15 @@ class _Window:
     def __init__(self, stage: OutOfCoreStage, order: Sequence[int]) -> None:
         self.stage, self.order = stage, list(order)
         self.held: dict[int, tuple[dict[str, torch.Tensor], Optional[torch.cuda.Event]]] = {}
+        # the host tensors change between passes only (the optimizer steps on the same thread): checked once
+        self.current = {block for block in stage._cached if stage._cached_copy(block)}
 
     def acquire(self, step: int) -> dict[str, torch.Tensor]:
         """Block ``order[step]``'s device tensors, ready for the compute stream; the next block that needs a copy is
         queued behind them so that it arrives while this one computes."""
         block = self.order[step]
         tensors, done = self._fetch(block)
-        upcoming = next((b for b in self.order[step + 1 :] if not self.stage._cached_copy(b)), None)
+        upcoming = next((b for b in self.order[step + 1 :] if b not in self.current), None)
         if upcoming is not None and upcoming not in self.held:  # one block ahead at most
             self._fetch(upcoming)
         self.stage._copies.wait(done)
@@ -261,7 +256,7 @@ class _Window:
         if block in self.held:
             return self.held[block]
         cached = stage._cached.get(block)
-        if stage._cached_copy(block):
+        if block in self.current:
             return cached[1], cached[2]
         with torch.no_grad():
             tensors, done = stage._copies.to_device(stage._host[block])
@@ -270,6 +265,7 @@ class _Window:
             if cached is None:
                 stage._count(+1)
             stage._cached[block] = (stage._signature(block), tensors, done)
+            self.current.add(block)
         else:
             self.held[block] = (tensors, done)
             stage._count(+1)
