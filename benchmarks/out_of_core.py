@@ -24,9 +24,14 @@ The plan's window needs four blocks (two blocks' parameters, two blocks' gradien
 the device: so the defaults take many blocks (32 of d_model 2048, 6.4 GB in fp32) and a batch whose activations
 are small next to them (4 x 512 tokens). Throughput is bounded by bytes copied per token: a larger batch hides more.
 
-On a lent GPU (see ../shared/gpu/README.md; no extra wheels needed): one `run` with
+On a lent GPU (see ../shared/gpu/README.md). Here, once: `bash ../shared/gpu/fetch_wheels.sh` (the wheels the GPU
+machine lacks, hivemind among them, into .whl/). Then a `run` carrying `[".whl"]`, whose command is (times
+estimated, not measured: the default stage's 1.6B parameters are initialised and copied on the CPU, and AdamW steps
+them on the host)
 
-    export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl &&
+      export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 || exit
+    timeout -k 20 540 python3 benchmarks/out_of_core.py --smoke --out $OUT/RESULTS.md    # ~1 min, a small stage
     timeout -k 20 540 python3 benchmarks/out_of_core.py --out $OUT/RESULTS.md            # ~3-5 min
     timeout -k 20 540 python3 benchmarks/out_of_core.py --out $OUT/RESULTS.md --batch-size 16  # if time is left
 
