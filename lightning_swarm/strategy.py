@@ -54,6 +54,7 @@ from lightning_swarm.optimizer import restrict_to, swarm_optimizer
 from lightning_swarm.precision import check_precision
 from lightning_swarm.rebalancing import Move, Plan, Rebalancer
 from lightning_swarm.security import AccessPolicy
+from lightning_swarm.server.out_of_core import check_out_of_core, prepare_stage
 from lightning_swarm.server.stage_server import StageServer
 from lightning_swarm.transport import DirectServer
 
@@ -108,6 +109,14 @@ class SwarmStrategy(Strategy):
             recomputes. None or ``"auto"``: half of the GPU's free memory once the stage is loaded (peers sharing
             a GPU should set it), 1 GiB on the CPU.
         activation_timeout: seconds a stage server keeps a forward's activations. Default 120.
+        out_of_core: serve the stage with its parameters in host memory, each block copied onto the device just
+            before it runs (overlapping the previous block's compute), activations recomputed in backward and the
+            optimizer stepping on the host, so that a stage larger than the device's memory can be served (see
+            :mod:`~lightning_swarm.server.out_of_core`). ``"auto"``: only a stage whose parameters and gradients do
+            not fit in ``device_memory_budget``. Default ``"auto"``.
+        device_memory_budget: bytes of device memory the served stage's parameters and gradients may take; an
+            out-of-core stage plans which blocks stay on the device within it. None or ``"auto"``: the GPU's free
+            memory when the stage is loaded, less 20%; no limit on the CPU.
         host_maddrs: multiaddrs to listen on. Default: loopback only; use ``/ip4/0.0.0.0/tcp/<port>`` to accept
             peers from other machines.
         announce_maddrs: multiaddrs other peers should dial (e.g. a public IP), when they differ from host_maddrs.
@@ -168,6 +177,8 @@ class SwarmStrategy(Strategy):
         checkpoint_activations: Optional[bool] = None,
         max_activation_bytes: Optional[Union[int, Literal["auto"]]] = None,
         activation_timeout: Optional[float] = None,
+        out_of_core: Optional[Union[bool, Literal["auto"]]] = None,
+        device_memory_budget: Optional[Union[int, Literal["auto"]]] = None,
         host_maddrs: Optional[Union[str, list[str]]] = None,
         announce_maddrs: Optional[Union[str, list[str]]] = None,
         direct_path: Optional[bool] = None,
@@ -214,6 +225,8 @@ class SwarmStrategy(Strategy):
         self.checkpoint_activations = _setting("checkpoint_activations", checkpoint_activations, _flag, False)
         self.max_activation_bytes = _setting("max_activation_bytes", max_activation_bytes, _bytes_or_auto, None)
         self.activation_timeout = _setting("activation_timeout", activation_timeout, float, 120.0)
+        self.out_of_core = _setting("out_of_core", out_of_core, check_out_of_core, "auto")
+        self.device_memory_budget = _setting("device_memory_budget", device_memory_budget, _bytes_or_auto, None)
         self.host_maddrs = _setting("host_maddrs", host_maddrs, _as_list, list(LOOPBACK_MADDRS))
         self.announce_maddrs = _setting("announce_maddrs", announce_maddrs, _as_list, [])
         self.direct_path = _setting("direct_path", direct_path, _flag, True)
@@ -621,11 +634,12 @@ class SwarmStrategy(Strategy):
         _materialize_meta_tensors(module, self.root_device)  # the local modules, if built on the meta device
 
     def _materialize_stage(self, stage: int) -> nn.Module:
-        """The blocks of ``stage`` on this peer's device (freshly initialised if they were on the meta device), in
-        the dtype of the Trainer's precision (``-true``), as Lightning converts the whole model in plain training."""
+        """The blocks of ``stage`` on this peer's device, or out of core (freshly initialised if they were on the meta
+        device), in the dtype of the Trainer's precision (``-true``), as Lightning converts the whole model in plain
+        training."""
         blocks = partitioning.stage_module(self._blueprint, self._spans[stage])
-        _materialize_meta_tensors(blocks, self.root_device)
-        return self.precision_plugin.convert_module(blocks).to(self.root_device)
+        convert, precision = self.precision_plugin.convert_module, self.precision_plugin.precision
+        return prepare_stage(blocks, self.root_device, convert, precision, self.out_of_core, self.device_memory_budget)
 
     def _loss_scale(self) -> Optional[float]:
         """The current scale of the Trainer's GradScaler (``16-mixed``), sent with gradients to stage servers."""

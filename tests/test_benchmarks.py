@@ -297,3 +297,34 @@ def test_transport_smoke(tmp_path):
     speeds = [float(v) for v in row.groups()[::2]]
     assert all(speed > 0 for speed in speeds) and float(row.group(10)) == 1.0, text
     assert len(json.loads((tmp_path / "results" / "transport.json").read_text())) == 2 * 5
+
+
+def test_out_of_core_smoke_skips_without_cuda(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    command = [sys.executable, str(ROOT / "benchmarks" / "out_of_core.py"), "--smoke", "--out", str(tmp_path / "R.md")]
+    result = subprocess.run(command, timeout=120, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "skipped: no CUDA device" in result.stdout and not (tmp_path / "R.md").exists()
+
+
+def test_out_of_core_on_cpu(tmp_path):
+    """The out-of-core benchmark on the CPU (a small stage, the plan's budget alone makes it swap): every run
+    trains, the swapped ones within their plan and on the resident run's loss curve."""
+    script = ROOT / "benchmarks" / "out_of_core.py"
+    command = [sys.executable, str(script), "--device", "cpu", "--warmup", "1", "--batches", "2", "--out"]
+    result = subprocess.run([*command, str(tmp_path / "RESULTS.md")], timeout=300, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "To be measured on a lent GPU" in text and "python3 benchmarks/out_of_core.py --out $OUT/RESULTS.md" in text
+    runs = {}
+    figures = r"([0-9.]+) \| ([0-9.]+) \| ([^|]+) \|[^|]+\|[^|]+\|[^|]+\| ([0-9.e-]+)"
+    for kind in ("resident", "recompute", "out of core 2x", "out of core 4x"):
+        row = re.search(rf"^\| cpu \| 24 x 128 \(\d+ MiB\) \| 2x32 \| float32 \| {kind} \| {figures} \|$", text, re.M)
+        assert row, text
+        runs[kind] = row.groups()
+    assert all(float(speed) > 0 and float(loss) == 0 for speed, _, _, loss in runs.values()), text
+    for kind in ("out of core 2x", "out of core 4x"):  # blocks resident in the plan / most on the device at once
+        resident, peak = map(int, runs[kind][2].split(" / "))
+        assert peak <= resident + 2 < 24, text
+    data = json.loads((tmp_path / "results" / "out_of_core.json").read_text())
+    assert [r["kind"] for r in data["results"][0]["runs"]] == ["resident", "recompute", "out of core", "out of core"]

@@ -39,6 +39,7 @@ from lightning_swarm.precision import activation_dtypes, autocast, parameter_dty
 from lightning_swarm.security import AccessPolicy, PeerNotAllowedError
 from lightning_swarm.server import device_memory
 from lightning_swarm.server.kept_activations import Kept, KeptActivations, counting_saved_bytes, default_max_bytes
+from lightning_swarm.server.out_of_core import OutOfCoreStage, spare_bytes
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ class StageServer(ServicerBase):
     """Serves one stage of one run. Handlers are registered under the run id as namespace.
 
     Args:
-        module: the stage's blocks, already on ``device``.
+        module: the stage's blocks, already on ``device``, or an
+            :class:`~lightning_swarm.server.out_of_core.OutOfCoreStage` that brings them there block by block.
         on_backward: called on the worker thread after each successful backward (once answered) with its size,
             once the parameters' ``.grad`` hold that microbatch's gradients (the stage optimizer's hook).
         on_idle: called on the worker thread whenever no request came for ``idle_period`` seconds, so that a
@@ -72,7 +74,8 @@ class StageServer(ServicerBase):
         max_request_bytes: requests with more tensor bytes are refused before they are decoded.
         max_activation_bytes: memory for the graphs of training forwards awaiting their backward (what autograd
             saved, and the stage's input and output; the oldest are dropped first, and their backward recomputes).
-            None: half of the device's free memory when the server starts (CUDA), 1 GiB on the CPU.
+            None: half of the device's free memory when the server starts (CUDA), 1 GiB on the CPU; for an
+            out-of-core stage, half of what its plan leaves of the device-memory budget.
         activation_timeout: seconds such a graph is kept at most.
         checkpoint_activations: keep only each block's input and recompute the block in backward (activation
             checkpointing), so that many microbatches in flight cost little memory.
@@ -120,6 +123,8 @@ class StageServer(ServicerBase):
         self.on_idle, self.idle_period, self.describe = on_idle, idle_period, describe
         self.refresh_parameters = refresh_parameters
         self.max_request_bytes, self.checkpoint_activations = max_request_bytes, checkpoint_activations
+        if max_activation_bytes is None:
+            max_activation_bytes = spare_bytes(module)
         if max_activation_bytes is None:
             max_activation_bytes = default_max_bytes(device)
         self.kept = KeptActivations(max_activation_bytes, activation_timeout)
@@ -444,9 +449,9 @@ class StageServer(ServicerBase):
 
     def _run(self, inputs: torch.Tensor) -> torch.Tensor:
         """The stage's forward with autograd on, block by block under checkpointing if that is on (whose
-        recomputation restores the autocast state of the forward)."""
+        recomputation restores the autocast state of the forward; an out-of-core stage recomputes anyway)."""
         with autocast(self.precision, self.device):
-            if not self.checkpoint_activations:
+            if not self.checkpoint_activations or isinstance(self.module, OutOfCoreStage):
                 return self.module(inputs)
             hidden = inputs
             for block in self.module.children() if isinstance(self.module, nn.Sequential) else [self.module]:
