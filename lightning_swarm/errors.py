@@ -21,3 +21,10 @@ class NotServingError(RuntimeError):
 class ActivationsLostError(RuntimeError):
     """The stage server no longer holds the activations of a forward pass (evicted, expired or never kept): the
     caller sends the stage's input again so that the forward is recomputed."""
+
+
+def failure_line(exception: BaseException) -> str:
+    """One line saying why this peer stopped training (logged at once: the traceback follows only after leaving)."""
+    if isinstance(exception, KeyboardInterrupt):
+        return "Training interrupted: leaving the swarm now"
+    return f"Training failed, leaving the swarm now: {type(exception).__name__}: {exception}"

@@ -22,7 +22,6 @@ import io
 import logging
 import multiprocessing
 import os
-import random
 import re
 import signal
 import threading
@@ -43,11 +42,12 @@ from lightning_swarm import checkpointing, discovery, partitioning, rebalancing,
 from lightning_swarm.callbacks import dispatch
 from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY
 from lightning_swarm.client.remote_pipeline import RemotePipeline, check_microbatches
-from lightning_swarm.client.routing import StageRouter
+from lightning_swarm.client.routing import WAIT_LOG_PERIOD, StageRouter
 from lightning_swarm.compression import Codec, check_codec
 from lightning_swarm.discovery import Announcer, PeerRecord, PeerState
-from lightning_swarm.errors import StageUnavailableError
+from lightning_swarm.errors import StageUnavailableError, failure_line
 from lightning_swarm.events import EventQueue, PeerJoined, PeerLeft, StageChanged, StageStep
+from lightning_swarm.logs import RateLimit
 from lightning_swarm.node import LOOPBACK_MADDRS, SwarmNode, kill_daemon
 from lightning_swarm.optimizer import restrict_to, swarm_optimizer
 from lightning_swarm.precision import check_precision
@@ -258,6 +258,7 @@ class SwarmStrategy(Strategy):
         self._batch_size: Optional[int] = None
         self._stop_requested = threading.Event()
         self._training = False
+        self._failure: Optional[BaseException] = None  # what made training raise (see on_exception)
         self._layout: Optional[dict] = None  # stage count and spans, published for peers and tools
         self._blueprint: Optional[nn.Sequential] = None  # the whole pipeline, blocks of other stages on meta
         self.events = EventQueue()
@@ -393,6 +394,13 @@ class SwarmStrategy(Strategy):
             self._rebalancer.paused.set()  # about to leave: a move would only cost the swarm a download
         self._set_training(False)
 
+    def on_exception(self, exception: BaseException) -> None:
+        """Training raised: say why now (Lightning prints the traceback only after teardown) and tell the swarm this
+        peer no longer trains, so that nobody lingers for it; it then leaves without lingering itself."""
+        self._failure = exception
+        log.error(failure_line(exception))
+        self._set_training(False)
+
     def _set_training(self, training: bool) -> None:
         """Tell the swarm whether this peer still trains: serving peers that finished wait for it."""
         self._training = training
@@ -526,7 +534,7 @@ class SwarmStrategy(Strategy):
         return self.router.fetch_state(stage)
 
     def teardown(self) -> None:
-        if self.server is not None and self.role != "serve":
+        if self.server is not None and self.role != "serve" and self._failure is None:
             self._linger()
         for thread in (self._rebalancer, self._watcher):
             if thread is not None:
@@ -634,8 +642,7 @@ class SwarmStrategy(Strategy):
         """The given stage, else a bottleneck stage: the lowest summed throughput (a stage without peers first)."""
         if self.stage is not None:
             return self.stage
-        lowest = rebalancing.bottleneck(discovery.fetch_swarm(self.node, self.run_id, self.num_stages))
-        return random.Random().choice(lowest)  # OS-seeded
+        return rebalancing.join_stage(self.node, self.run_id, self.num_stages, ttl=2 * self.update_period + LEAVE_GRACE)
 
     def _build_stage_optimizer(self, trainer: Trainer) -> Any:
         """The user's optimizer (class and per-group hyper-parameters) over this stage's parameters.
@@ -807,11 +814,14 @@ class SwarmStrategy(Strategy):
     def _service(self) -> None:
         """On the training (or serving) thread, between steps: carry out a planned move, then hand the queued
         swarm events to the callbacks."""
+        self._carry_out_move()
+        dispatch(self.lightning_module.trainer, self.events.drain())
+
+    def _carry_out_move(self) -> None:
         with self._move_lock:
             pending, self._pending_move = self._pending_move, None
         if pending is not None and not self._stop_requested.is_set():
             self._move(*pending)
-        dispatch(self.lightning_module.trainer, self.events.drain())
 
     def _move(self, move: Move, plan: Plan) -> None:
         """Serve ``move.to_stage`` instead: leave the current stage gracefully, take the new stage's blocks, and
@@ -932,7 +942,7 @@ class SwarmStrategy(Strategy):
 
     def _wait_for_stages(self) -> None:
         """Block until every stage has a serving peer, logging which ones are missing."""
-        deadline = time.monotonic() + self.join_timeout
+        deadline, due = time.monotonic() + self.join_timeout, RateLimit(WAIT_LOG_PERIOD)
         while True:
             missing = [k for k in range(self.num_stages) if self.router.choose(k, 1) is None]
             if not missing:
@@ -942,9 +952,11 @@ class SwarmStrategy(Strategy):
                     f"Stages {missing} of run {self.run_id!r} have no live peer after {self.join_timeout:.0f}s: "
                     f"start peers that serve them (or check initial_peers)"
                 )
-            log.warning("Waiting for peers to serve stage(s) %s", missing)
+            if due():
+                log.warning("Waiting for peers to serve stage(s) %s", missing)
             for k in missing:
                 self.router.refresh(k, force=True)
+            self._carry_out_move()  # e.g. from a stage two newcomers took together to one nobody serves
             time.sleep(1.0)
 
     def _serve_until_stopped(self, trainer: Trainer) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import threading
 import time
@@ -41,6 +40,7 @@ from lightning_swarm.errors import (
     StageUnavailableError,
     SwarmRequestError,
 )
+from lightning_swarm.logs import RateLimit
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.server.stage_server import StageServer, stage_uid
 from lightning_swarm.transport import CONNECT_TIMEOUT, DirectClient, DirectRequest, DirectUnreachable
@@ -101,7 +101,7 @@ class StageRouter:
         self.direct = direct  # call peers on their direct addresses when they publish one
         self.stage_wait_timeout = stage_wait_timeout
         self.stop = stop  # set when this peer is leaving: waiting for a stage ends at once
-        self._wait_logged_at: dict[int, float] = {}  # stage -> when "no live peer" was last logged
+        self._wait_logged = RateLimit(WAIT_LOG_PERIOD)  # "no live peer" lines, per stage
         self.request_timeout, self.max_retries, self.ban_timeout = request_timeout, max_retries, ban_timeout
         self.refresh_period = refresh_period
         self.stats = RouterStats()
@@ -184,7 +184,8 @@ class StageRouter:
                 waiting_since = waiting_since or time.monotonic()
                 self._wait_for_peer(stage, waiting_since, last_error)
                 continue
-            waiting_since = None
+            # waiting_since is kept: a banned peer retried once its ban expired (a dead one, whose record has not
+            # expired yet) must not restart the count towards stage_wait_timeout
             try:
                 reply = self.call_peer(stage, peer, method, tensors, metadata, batch)
                 if last_error is not None:
@@ -231,11 +232,7 @@ class StageRouter:
                 f"raise stage_wait_timeout (SWARM_STAGE_WAIT_TIMEOUT)"
                 + (f"; last error: {last_error!r}" if last_error is not None else "")
             )
-        with self._lock:
-            should_log = now - self._wait_logged_at.get(stage, -math.inf) >= WAIT_LOG_PERIOD
-            if should_log:
-                self._wait_logged_at[stage] = now
-        if should_log:
+        if self._wait_logged(stage):
             log.warning(
                 "Stage %d of run %r has no live peer: waiting for one to serve it (%.0fs so far, giving up after %gs)",
                 stage,
@@ -370,7 +367,6 @@ class StageRouter:
                 waiting_since = waiting_since or time.monotonic()
                 self._wait_for_peer(stage, waiting_since, None)
                 continue
-            waiting_since = None
             stub = StageServer.get_stub(self.node.p2p, PeerID.from_base58(peer), namespace=self.run_id)
             metadata = protocol.encode_metadata(self._with_token({"optimizer": True} if optimizer else {}, peer))
             request = runtime_pb2.ExpertRequest(uid=stage_uid(self.run_id, stage), metadata=metadata)
