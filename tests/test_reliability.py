@@ -28,26 +28,26 @@ def steps_done(path) -> int:
 
 def test_wait_for_a_stage_is_not_restarted_by_retrying_a_banned_peer(monkeypatch):
     """A dead peer's record outlives it: each time its ban expires it is tried again, and fails. The time without a
-    live peer counts from the first wait on, so the call gives up after stage_wait_timeout, not never."""
-    router = StageRouter(None, "run", 1, max_retries=1000, stage_wait_timeout=1.0)
-    start = time.monotonic()
-    monkeypatch.setattr(router, "refresh", lambda stage, force=False: None)
-    # the dead peer is usable (its ban expired) every 0.3 s, for one attempt
-    monkeypatch.setattr(
-        router,
-        "choose",
-        lambda stage, batch, exclude=frozenset(): (
-            None if exclude or (time.monotonic() - start) % 0.3 > 0.05 else "dead"
-        ),
-    )
+    live peer counts from the first wait on, so the call gives up after stage_wait_timeout (not after max_retries
+    attempts spaced by growing pauses, with the wait restarted at each)."""
+    router = StageRouter(None, "run", 1, max_retries=6, stage_wait_timeout=2.0)
+    banned_until = 0.0
 
-    def fail(*args):
+    def choose(stage, batch, exclude=frozenset()):
+        return None if "dead" in exclude or time.monotonic() < banned_until else "dead"
+
+    def call_dead_peer(*args):
+        nonlocal banned_until
+        banned_until = time.monotonic() + 1.5  # longer than the first pauses between attempts
         raise ConnectionError("dead")
 
-    monkeypatch.setattr(router, "call_peer", fail)
-    with pytest.raises(StageUnavailableError, match="has had no live peer"):
+    monkeypatch.setattr(router, "refresh", lambda stage, force=False: None)
+    monkeypatch.setattr(router, "choose", choose)
+    monkeypatch.setattr(router, "call_peer", call_dead_peer)
+    start = time.monotonic()
+    with pytest.raises(StageUnavailableError, match="has had no live peer for"):
         router.call(0, "forward", [], {}, 1)
-    assert time.monotonic() - start < 3.0
+    assert time.monotonic() - start < 6.0
 
 
 def start_and_kill_stage1(swarm, tmp_path, env: dict, steps: int, trainers: tuple = ("trainer",)):
