@@ -25,6 +25,22 @@ from hivemind.utils.performance_ema import PerformanceEMA
 log = logging.getLogger(__name__)
 
 
+def train_batch_size(trainer: Any) -> Optional[int]:
+    """The batch size this peer trains with: its datamodule's ``batch_size``, else its train DataLoader's (the one
+    ``fit`` was given, or the datamodule's or LightningModule's ``train_dataloader()``); None if neither says."""
+    batch_size = getattr(trainer.datamodule, "batch_size", None)
+    if isinstance(batch_size, int):
+        return batch_size
+    source = getattr(trainer.fit_loop, "_data_source", None)  # where Lightning itself takes the train DataLoader
+    if source is None or not source.is_defined():
+        return None
+    loader = source.dataloader()
+    batch_size = getattr(loader, "batch_size", None) or getattr(
+        getattr(loader, "batch_sampler", None), "batch_size", None
+    )
+    return batch_size if isinstance(batch_size, int) else None
+
+
 def restrict_to(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """A fresh optimizer of the same class with the same per-group hyper-parameters, over ``params`` only."""
     keep = {id(p) for p in params}

@@ -49,7 +49,7 @@ from lightning_swarm.errors import StageUnavailableError, failure_line
 from lightning_swarm.events import EventQueue, PeerJoined, PeerLeft, StageChanged, StageStep
 from lightning_swarm.logs import RateLimit
 from lightning_swarm.node import LOOPBACK_MADDRS, SwarmNode, kill_daemon
-from lightning_swarm.optimizer import restrict_to, swarm_optimizer
+from lightning_swarm.optimizer import restrict_to, swarm_optimizer, train_batch_size
 from lightning_swarm.precision import check_precision
 from lightning_swarm.rebalancing import Move, Plan, Rebalancer
 from lightning_swarm.security import AccessPolicy
@@ -87,7 +87,8 @@ class SwarmStrategy(Strategy):
             until the process receives SIGTERM or SIGINT); ``"drive"`` only sends its batches through the swarm.
         stage: the stage to serve. None: the stage with the fewest peers when this peer joins.
         target_batch_size: samples (summed over the swarm) after which a stage, and the local parameters, take an
-            optimizer step. None: the batch size of the datamodule (``datamodule.batch_size``).
+            optimizer step. None: this peer's batch size, from ``datamodule.batch_size`` or else the train
+            DataLoader's ``batch_size``.
         compression: codec for activations and their gradients between stages: ``"8bit"`` (blockwise),
             ``"float16"`` or ``"none"``.
         delayed_updates: a stage's all-reduce and optimizer step run in the background while its peer keeps
@@ -931,11 +932,12 @@ class SwarmStrategy(Strategy):
 
     def _resolve_target_batch_size(self, trainer: Trainer) -> int:
         if self.target_batch_size is None:
-            batch_size = getattr(trainer.datamodule, "batch_size", None)
-            if not isinstance(batch_size, int):
+            batch_size = train_batch_size(trainer)
+            if batch_size is None:
                 raise ValueError(
                     "Set target_batch_size (or SWARM_TARGET_BATCH_SIZE): the samples, summed over the swarm, "
-                    "after which the swarm takes an optimizer step"
+                    "after which the swarm takes an optimizer step (this peer's datamodule and train DataLoader "
+                    "have no batch_size to start from)"
                 )
             self.target_batch_size = batch_size
         return self.target_batch_size
