@@ -80,7 +80,7 @@ def open_node(
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.p2p import P2PDaemonError
 
-    from lightning_swarm.node import SwarmNode
+    from lightning_swarm.node import SwarmNode, daemon_reason
 
     if not initial_peers:
         raise CLIError("no initial peers: pass --initial-peers ADDRESS (or set SWARM_INITIAL_PEERS)", EXIT_USAGE)
@@ -105,9 +105,7 @@ def open_node(
         node.dht.run_coroutine(add, return_future=True).result(timeout=timeout)
     except P2PDaemonError as e:
         node.shutdown()
-        reason = str(e).split(": ", 1)[-1]
-        reason = re.sub(r"^(Daemon failed to start: )?\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", reason)
-        raise CLIError(f"cannot reach the swarm through {', '.join(initial_peers)}: {reason}") from None
+        raise CLIError(f"cannot reach the swarm through {', '.join(initial_peers)}: {daemon_reason(e)}") from None
     except Exception as e:
         node.shutdown()
         raise CLIError(f"cannot join the swarm through {', '.join(initial_peers)}: {e!r}") from None

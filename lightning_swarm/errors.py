@@ -18,6 +18,10 @@ class NotServingError(RuntimeError):
     caller sends the work to another peer of the stage."""
 
 
+class JoinError(RuntimeError):
+    """This peer could not join the swarm through its initial peers (down, unreachable, or refusing it)."""
+
+
 class ActivationsLostError(RuntimeError):
     """The stage server no longer holds the activations of a forward pass (evicted, expired or never kept): the
     caller sends the stage's input again so that the forward is recomputed."""

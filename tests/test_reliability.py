@@ -51,17 +51,18 @@ def test_wait_for_a_stage_is_not_restarted_by_retrying_a_banned_peer(monkeypatch
 
 
 def start_and_kill_stage1(swarm, tmp_path, env: dict, steps: int, trainers: tuple = ("trainer",)):
-    """Trainers (stage 0) and the only stage-1 peer; once the first trainer made progress, kill -9 the stage-1
-    peer with its daemons."""
+    """Trainers (stage 0) and the only stage-1 peer; once every trainer made progress, kill -9 the stage-1 peer
+    with its daemons."""
     swarm.start("stage1", SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})
     record = tmp_path / "trainer.json"
     for name in trainers:
         args = [*SMALL_GPT, "--max-steps", str(steps), "--history", str(tmp_path / f"{name}.json")]
         swarm.start(name, args, env={**env, "SWARM_STAGE": "0"})
     deadline = time.monotonic() + 120
-    while steps_done(record) < 5:  # History writes every 5 steps
-        assert time.monotonic() < deadline and swarm.peers["trainer"].alive(), swarm.peers["trainer"].log()[-3000:]
-        time.sleep(0.2)
+    for name in trainers:
+        while steps_done(tmp_path / f"{name}.json") < 5:  # History writes every 5 steps
+            assert time.monotonic() < deadline and swarm.peers[name].alive(), swarm.peers[name].log()[-3000:]
+            time.sleep(0.2)
     os.killpg(swarm.peers["stage1"].process.pid, signal.SIGKILL)  # the peer and its p2pd: a machine lost
     swarm.peers["stage1"].process.wait(timeout=30)
     return record, time.monotonic()
