@@ -11,7 +11,6 @@ others join through its address. Each serves one stage and trains on its own str
 import argparse
 import json
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -40,7 +39,6 @@ def main() -> None:
     parser.add_argument("--slow", type=int, default=0, help="slow this many peers down to a third of their speed")
     parser.add_argument("--rebalance-period", type=float, default=20.0, help="seconds between rebalancing rounds")
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # leave through LocalSwarm's exit: it stops every peer
 
     workdir = Path(tempfile.mkdtemp(prefix="swarm_demo_"))
     env = {
