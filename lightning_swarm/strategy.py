@@ -428,8 +428,10 @@ class SwarmStrategy(Strategy):
                 "fit, e.g. with ModelCheckpoint or in on_train_end), not after fit/validate/test returned"
             )
         state = {k: v for k, v in state.items() if not k.startswith(self._pipeline_name + ".")}
+        self._gathered_steps = {}  # recorded in the checkpoint by save_checkpoint
         for span in self._spans:
-            for key, tensor in self.fetch_stage_state(span.index).items():
+            stage_state, self._gathered_steps[span.index] = self.fetch_stage_state_and_step(span.index)
+            for key, tensor in stage_state.items():
                 state[partitioning.stage_state_key(self._pipeline_name, span, key)] = tensor
         return state
 
@@ -464,6 +466,8 @@ class SwarmStrategy(Strategy):
             return
         if "optimizer_states" in checkpoint and self.router is not None and self._pipeline_name is not None:
             checkpoint[STAGE_OPTIMIZERS_KEY] = self._gather_stage_optimizers()
+        if getattr(self, "_gathered_steps", None):
+            checkpointing.record_stage_steps(checkpoint, self._gathered_steps, str(filepath))
         super().save_checkpoint(checkpoint, filepath, storage_options)
         self.__dict__.setdefault("_written_checkpoints", set()).add(os.path.abspath(str(filepath)))
         if self.node is not None:  # where a stage that loses all its peers is restored from
@@ -530,9 +534,13 @@ class SwarmStrategy(Strategy):
 
     def fetch_stage_state(self, stage: int) -> dict[str, torch.Tensor]:
         """The current state dict of ``stage`` (stage-local keys), from this peer or a live peer of the stage."""
+        return self.fetch_stage_state_and_step(stage)[0]
+
+    def fetch_stage_state_and_step(self, stage: int) -> tuple[dict[str, torch.Tensor], Optional[int]]:
+        """:meth:`fetch_stage_state`, and the optimizer step that state is at (None if unknown)."""
         if self.server is not None and self.served_stage == stage:
-            return self.server.state_dict()
-        return self.router.fetch_state(stage)
+            return self.server.state_and_step()
+        return self.router.fetch_state_and_step(stage)
 
     def teardown(self) -> None:
         if self.server is not None and self.role != "serve" and self._failure is None:

@@ -339,10 +339,17 @@ class StageRouter:
         return metadata if policy is None else policy.sign_metadata(metadata, self.run_id, self.node.peer_id, peer)
 
     def fetch_state(self, stage: int, optimizer: bool = False) -> dict[str, torch.Tensor]:
+        """:meth:`fetch_state_and_step`'s state."""
+        return self.fetch_state_and_step(stage, optimizer)[0]
+
+    def fetch_state_and_step(
+        self, stage: int, optimizer: bool = False
+    ) -> tuple[dict[str, torch.Tensor], Optional[int]]:
         """Download the current state dict of ``stage`` from one of its live peers (waiting up to
         ``stage_wait_timeout`` seconds for one while the stage has none). ``optimizer``: its optimizer's state dict
         instead, as ``{"optimizer": uint8 tensor}`` holding ``torch.save`` bytes. A peer that fails (busy, or
-        refusing while it steps) is tried again after the others, with a growing pause, up to ``max_retries``."""
+        refusing while it steps) is tried again after the others, with a growing pause, up to ``max_retries``.
+        Returns the state and the optimizer step it is at (None if the peer did not say)."""
 
         async def download(stub, request) -> tuple[list[runtime_pb2.Tensor], dict]:
             parts, metadata = [], b""
@@ -372,7 +379,9 @@ class StageRouter:
             request = runtime_pb2.ExpertRequest(uid=stage_uid(self.run_id, stage), metadata=metadata)
             try:
                 tensors, metadata = self.node.run(download(stub, request), timeout=self.request_timeout)
-                return {k: compression.deserialize(t) for k, t in zip(metadata["keys"], tensors)}
+                step = metadata.get("step")
+                state = {k: compression.deserialize(t) for k, t in zip(metadata["keys"], tensors)}
+                return state, step if isinstance(step, int) else None
             except Exception as e:
                 log.warning("Stage %d: could not download state from %s: %r", stage, peer, e)
                 errors.append(peer)
