@@ -134,6 +134,5 @@ def test_failed_trainers_leave_at_once(swarm, tmp_path):
     print(f"stage wait timeout {timeout:g}s, linger {FAST['SWARM_LINGER']}s: trainers exited after {took}")
     for name in took:
         log = swarm.peers[name].log()
-        assert re.search(r"Training failed, leaving the swarm now: StageUnavailableError: Stage 1", log), log[-3000:]
-        assert "Lingering" not in log
         assert took[name] < timeout + 45, log[-3000:]  # linger is 120 s: never waited out
+        assert re.search(r"Training failed, leaving the swarm now: StageUnavailableError: Stage 1", log), log[-3000:]
