@@ -977,7 +977,7 @@ class SwarmStrategy(Strategy):
 
     def _linger(self) -> None:
         """Keep serving while other peers are still training, so that finishing first does not strand them."""
-        deadline = time.monotonic() + self.linger
+        deadline, due = time.monotonic() + self.linger, RateLimit(60.0)
         while time.monotonic() < deadline and not self._stop_requested.is_set():
             try:
                 others = discovery.training_peers(self.node, self.run_id, self.num_stages) - {str(self.node.peer_id)}
@@ -986,6 +986,12 @@ class SwarmStrategy(Strategy):
                 others = {"unknown"}
             if not others:
                 return
+            if due():
+                log.warning(
+                    "Training done: serving on while %d other peer(s) train (for %.0fs more at most: linger)",
+                    len(others),
+                    deadline - time.monotonic(),
+                )
             self._service()
             time.sleep(self.update_period / 2)
 
