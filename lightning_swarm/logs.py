@@ -1,5 +1,5 @@
-"""The project's log lines: stamped with the time, level and caller as hivemind stamps its own, and repeated
-waiting lines printed at most once a period."""
+"""The project's log lines: stamped with the time, level and caller as hivemind stamps its own, repeated waiting
+lines printed at most once a period, and hivemind's known noise in a healthy swarm kept quiet."""
 
 from __future__ import annotations
 
@@ -39,6 +39,43 @@ def use_swarm_log_handler() -> None:
         )
     )
     logger.addHandler(handler)
+
+
+class _HivemindNoise(logging.Filter):
+    """Keeps hivemind's known noise of a healthy swarm out of the logs (each case is a normal event there):
+
+    - an all-reduce round that found no group is logged at ERROR with a traceback; the peer then steps with its own
+      gradients and catches up with the others later: demoted to one INFO line, without the traceback;
+    - a round whose step was cancelled (its peer caught up by downloading the state) that then finishes: hivemind
+      catches asyncio's ``InvalidStateError`` but not the one its futures raise, and asyncio reports "Task
+      exception was never retrieved" with a traceback: dropped;
+    - when an averager process stops, asyncio reports its matchmaking tasks as "destroyed but pending", and
+      hivemind the ``GeneratorExit`` of cancelling them: dropped.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        message = record.getMessage()
+        if error is not None and "could not find a group" in str(error):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args, record.exc_info, record.exc_text = f"All-reduce round: {error}", (), None, None
+            return logging.getLogger(record.name).isEnabledFor(logging.INFO)
+        if type(error).__name__ == "InvalidStateError" and "CANCELLED" in str(error) and "Averager" in message:
+            return False
+        if message.startswith("Task was destroyed but it is pending") and "hivemind" in message:
+            return False
+        return not (isinstance(error, GeneratorExit) and "hivemind" in message)
+
+
+HIVEMIND_NOISE_LOGGERS = ("hivemind.averaging.averager", "hivemind.utils.asyncio", "asyncio")
+
+
+def quiet_hivemind_noise() -> None:
+    """Install the :class:`_HivemindNoise` filter (once per process; processes forked later inherit it)."""
+    for name in HIVEMIND_NOISE_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _HivemindNoise) for f in logger.filters):
+            logger.addFilter(_HivemindNoise())
 
 
 class RateLimit:
