@@ -260,6 +260,7 @@ class SwarmStrategy(Strategy):
         self._stop_requested = threading.Event()
         self._training = False
         self._failure: Optional[BaseException] = None  # what made training raise (see on_exception)
+        self._gathered_steps: dict[int, Optional[int]] = {}  # each stage's step in the last model gathered
         self._layout: Optional[dict] = None  # stage count and spans, published for peers and tools
         self._blueprint: Optional[nn.Sequential] = None  # the whole pipeline, blocks of other stages on meta
         self.events = EventQueue()
@@ -466,7 +467,7 @@ class SwarmStrategy(Strategy):
             return
         if "optimizer_states" in checkpoint and self.router is not None and self._pipeline_name is not None:
             checkpoint[STAGE_OPTIMIZERS_KEY] = self._gather_stage_optimizers()
-        if getattr(self, "_gathered_steps", None):
+        if self._gathered_steps:
             checkpointing.record_stage_steps(checkpoint, self._gathered_steps, str(filepath))
         super().save_checkpoint(checkpoint, filepath, storage_options)
         self.__dict__.setdefault("_written_checkpoints", set()).add(os.path.abspath(str(filepath)))
