@@ -383,6 +383,8 @@ class SwarmStrategy(Strategy):
             self._announcer = self._make_announcer()
             self._announcer.start()
         if self.role != "serve":
+            if fitting:
+                self._set_training(True)  # about to train: peers that finished serve on for it (linger)
             self._wait_for_stages()
         if fitting and self.role == "serve":
             self._serve_until_stopped(trainer)
