@@ -150,7 +150,11 @@ def join_stage(node: SwarmNode, run_id: str, num_stages: int, ttl: float, settle
     peers (:func:`spread_joiners`) instead of all serving the same one."""
     peer_id = str(node.peer_id)
     stage = random.Random().choice(bottleneck(fetch_swarm(node, run_id, num_stages)))  # OS-seeded
-    store_record(node, run_id, PeerRecord(peer_id, stage, PeerState.JOINING, 0.0, 0), ttl)
+    try:
+        store_record(node, run_id, PeerRecord(peer_id, stage, PeerState.JOINING, 0.0, 0), ttl)
+    except Exception as e:  # unclaimed, the choice stands; rebalancing refills a stage left empty
+        log.warning("Could not claim stage %d: %r", stage, e)
+        return stage
     time.sleep(settle)
     chosen = spread_joiners(fetch_swarm(node, run_id, num_stages), peer_id, stage)
     if chosen != stage:
