@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 from typing import Hashable
@@ -49,8 +50,9 @@ class _HivemindNoise(logging.Filter):
     - a round whose step was cancelled (its peer caught up by downloading the state) that then finishes: hivemind
       catches asyncio's ``InvalidStateError`` but not the one its futures raise, and asyncio reports "Task
       exception was never retrieved" with a traceback: dropped;
-    - when an averager process stops, asyncio reports its matchmaking tasks as "destroyed but pending", and
-      hivemind the ``GeneratorExit`` of cancelling them: dropped.
+    - when an averager process stops, asyncio reports its matchmaking tasks as "destroyed but pending" (and, at
+      interpreter exit, the tasks of any background loop), and hivemind the ``GeneratorExit`` of cancelling them:
+      dropped.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -62,12 +64,19 @@ class _HivemindNoise(logging.Filter):
             return logging.getLogger(record.name).isEnabledFor(logging.INFO)
         if type(error).__name__ == "InvalidStateError" and "CANCELLED" in str(error) and "Averager" in message:
             return False
-        if message.startswith("Task was destroyed but it is pending") and "hivemind" in message:
-            return False
+        if message.startswith("Task was destroyed but it is pending") and (
+            "hivemind" in message or sys.is_finalizing()
+        ):
+            return False  # hivemind's tasks, or any background loop's at interpreter exit
         return not (isinstance(error, GeneratorExit) and "hivemind" in message)
 
 
-HIVEMIND_NOISE_LOGGERS = ("hivemind.averaging.averager", "hivemind.utils.asyncio", "asyncio")
+HIVEMIND_NOISE_LOGGERS = (
+    "hivemind.averaging.averager",
+    "hivemind.optim.optimizer",
+    "hivemind.utils.asyncio",
+    "asyncio",
+)
 
 
 def quiet_hivemind_noise() -> None:
