@@ -19,7 +19,12 @@ class NotServingError(RuntimeError):
 
 
 class JoinError(RuntimeError):
-    """This peer could not join the swarm through its initial peers (down, unreachable, or refusing it)."""
+    """This peer could not join the swarm through its initial peers (down, unreachable, or refusing it).
+    ``reason``: what the daemon or the DHT said, without the advice the message adds."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
 
 
 class ActivationsLostError(RuntimeError):

@@ -72,12 +72,14 @@ class SwarmNode:
                         f"DHT bootstrap failed: none of the initial peers answered ({attempts} attempt(s); tried "
                         f"{tried}). They may be down, unreachable or overloaded; if it is a private swarm, this peer "
                         "may be off its allow-list or lack its secret (set allowed_peers/identity_path or secret_path; "
-                        "for the lightning-swarm command, pass --secret-path)"
+                        "for the lightning-swarm command, pass --secret-path)",
+                        "DHT bootstrap failed: none of the initial peers answered",
                     ) from None
                 raise JoinError(
                     f"Could not join the swarm through {tried} ({attempts} attempt(s)): {daemon_reason(e)}. Check "
                     "that a peer still runs at that address (the peer that started the swarm may have exited: pass "
-                    "the address of one that runs) and that this machine can reach it"
+                    "the address of one that runs) and that this machine can reach it",
+                    daemon_reason(e),
                 ) from None
         self.p2p = self.run(self.dht.replicate_p2p())
         self.daemon_pid = self.dht.run_coroutine(_daemon_pid, return_future=True).result(timeout=self.timeout)
