@@ -179,6 +179,13 @@ class SharedRecords:
         return True
 
 
+class FirstChoice:
+    """A random pick that always takes the first option: the worst case for newcomers choosing together."""
+
+    def choice(self, options: list) -> object:
+        return options[0]
+
+
 def test_newcomers_that_choose_the_same_stage_at_once_spread_over_the_stages_without_peers(monkeypatch):
     """Three peers join an empty 3-stage swarm at the same moment: all read the swarm before any claimed a stage,
     and all pick stage 0 (the worst case of a random pick among equal stages). After the settling time each sees
@@ -202,11 +209,6 @@ def test_newcomers_that_choose_the_same_stage_at_once_spread_over_the_stages_wit
     with ThreadPoolExecutor(3) as pool:
         stages = list(pool.map(lambda node: rebalancing.join_stage(node, "run", 3, ttl=30, settle=0.2), peers))
     assert sorted(stages) == [0, 1, 2]
-
-
-class FirstChoice:
-    def choice(self, options: list) -> object:
-        return options[0]
 
 
 def test_spread_joiners_leaves_serving_peers_and_full_swarms_alone():
