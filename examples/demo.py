@@ -11,7 +11,6 @@ others join through its address. Each serves one stage and trains on its own str
 import argparse
 import json
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -40,7 +39,6 @@ def main() -> None:
     parser.add_argument("--slow", type=int, default=0, help="slow this many peers down to a third of their speed")
     parser.add_argument("--rebalance-period", type=float, default=20.0, help="seconds between rebalancing rounds")
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # leave through LocalSwarm's exit: it stops every peer
 
     workdir = Path(tempfile.mkdtemp(prefix="swarm_demo_"))
     env = {
@@ -98,6 +96,11 @@ def main() -> None:
     print(f"  throughput           {samples / max(train_seconds, 1e-9):.1f} samples/s (all trainers together)")
     print(f"  loss                 {runs[0]['losses'][0]:.3f} at the start -> {sum(ends) / len(ends):.3f} at the end")
     print(f"  failovers            {sum(r.get('failovers', 0) for r in runs)}")
+    lost = sum(r.get("failed_round_seconds", 0.0) for r in runs) / max(sum(r.get("seconds", 0.0) for r in runs), 1e-9)
+    failed_rounds = sum(r.get("failed_rounds", 0) for r in runs)
+    print(
+        f"  failed all-reduces   {failed_rounds}, {100 * lost:.1f}% of the peers' training time from start to failure"
+    )
     sent = sum(r.get("bytes_sent", 0) for r in runs)
     print(f"  sent between stages  {sent / max(samples, 1) / 1024:.1f} KiB per sample (tensor payloads)")
     moves = sorted(

@@ -254,10 +254,18 @@ class History(SwarmCallback):
             recomputed=router.stats.recomputed if router else 0,
             stage_changes=self.stage_changes,
             peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            # gradient all-reduces that failed (this peer stepped alone), and the time from their start to failure
+            failed_rounds=sum(getattr(o, "failed_rounds", 0) for o in swarm_optimizers(strategy)),
+            failed_round_seconds=sum(getattr(o, "failed_round_seconds", 0.0) for o in swarm_optimizers(strategy)),
         )
         with open(self.path + ".tmp", "w") as f:
             json.dump(summary, f)
         os.replace(self.path + ".tmp", self.path)
+
+
+def swarm_optimizers(strategy: object) -> list:
+    """The peer's swarm optimizers: its stage's and its local one (plain strategies have neither)."""
+    return [o for o in (getattr(strategy, "_stage_optimizer", None), *getattr(strategy, "optimizers", [])) if o]
 
 
 def report_cuda_memory(directory: str, role: str, every: float = 1.0) -> None:

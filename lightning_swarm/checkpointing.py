@@ -23,6 +23,8 @@ from lightning_swarm.node import SwarmNode
 log = logging.getLogger(__name__)
 
 STAGE_OPTIMIZERS_KEY = "swarm_stage_optimizers"  # checkpoint entry: stage -> its optimizer's state dict
+STAGE_STEPS_KEY = "swarm_stage_steps"  # checkpoint entry: stage -> the optimizer step its gathered state is at
+CONSISTENT_KEY = "swarm_consistent_cut"  # checkpoint entry: whether every stage was gathered at the same step
 LATEST_CHECKPOINT_TTL = 7 * 24 * 3600.0  # how long the swarm remembers where its latest checkpoint is
 
 
@@ -91,3 +93,20 @@ def copy_state(state: dict) -> dict:
     torch.save(state, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)
+
+
+def record_stage_steps(checkpoint: dict, steps: dict[int, Optional[int]], filepath: str) -> None:
+    """Record in ``checkpoint`` the step each stage's gathered state is at, and whether they are all the same: stages
+    step on their own, so a checkpoint gathered while the swarm trains may cut it between two steps of one stage.
+    Such a checkpoint is marked and warned about; it still loads, each stage at its own step."""
+    checkpoint[STAGE_STEPS_KEY] = dict(steps)
+    known = {step for step in steps.values() if step is not None}
+    checkpoint[CONSISTENT_KEY] = len(known) <= 1
+    if len(known) > 1:
+        log.warning(
+            "Checkpoint %s: the stages were gathered at different steps (%s): a cut between steps, recorded in the "
+            "checkpoint as %s=False. Save when training ends (or when the stages are idle) for a consistent one",
+            filepath,
+            ", ".join(f"stage {k}: {step}" for k, step in sorted(steps.items())),
+            CONSISTENT_KEY,
+        )

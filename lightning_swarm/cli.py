@@ -78,8 +78,8 @@ def open_node(
     listed identities (``identity_path``, a key file whose peer id is on the list)."""
     from hivemind.dht import DHT
     from hivemind.dht.crypto import RSASignatureValidator
-    from hivemind.p2p import P2PDaemonError
 
+    from lightning_swarm.errors import JoinError
     from lightning_swarm.node import SwarmNode
 
     if not initial_peers:
@@ -103,11 +103,9 @@ def open_node(
         # hivemind's optimizers sign their progress records: without this validator they cannot be decoded
         add = partial(DHT._add_validators, record_validators=[RSASignatureValidator()])
         node.dht.run_coroutine(add, return_future=True).result(timeout=timeout)
-    except P2PDaemonError as e:
+    except JoinError as e:
         node.shutdown()
-        reason = str(e).split(": ", 1)[-1]
-        reason = re.sub(r"^(Daemon failed to start: )?\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", reason)
-        raise CLIError(f"cannot reach the swarm through {', '.join(initial_peers)}: {reason}") from None
+        raise CLIError(f"cannot reach the swarm through {', '.join(initial_peers)}: {e.reason}") from None
     except Exception as e:
         node.shutdown()
         raise CLIError(f"cannot join the swarm through {', '.join(initial_peers)}: {e!r}") from None

@@ -75,6 +75,11 @@ def fetch_swarm(node: SwarmNode, run_id: str, num_stages: int) -> list[dict[str,
     return [fetch_stage(node, run_id, k) for k in range(num_stages)]
 
 
+def store_record(node: SwarmNode, run_id: str, record: PeerRecord, ttl: float) -> None:
+    """Publish ``record`` (this peer's) under its stage for ``ttl`` seconds."""
+    node.dht_store(stage_key(run_id, record.stage), record.peer_id, record.to_value(), ttl=ttl)
+
+
 def training_peers(node: SwarmNode, run_id: str, num_stages: int) -> set[str]:
     """Peers (serving or drive-only) that announce they are still training."""
     groups = [*fetch_swarm(node, run_id, num_stages), fetch_stage(node, run_id, None)]
@@ -120,7 +125,7 @@ class Announcer:
         record = record or self.make_record()
         ttl = 2 * self.update_period if ttl is None else ttl
         try:
-            self.node.dht_store(stage_key(self.run_id, record.stage), record.peer_id, record.to_value(), ttl=ttl)
+            store_record(self.node, self.run_id, record, ttl)
         except Exception as e:  # a missed refresh is retried next period; the record outlives one miss
             log.warning("Could not announce stage %d: %r", record.stage, e)
 

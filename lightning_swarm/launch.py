@@ -11,11 +11,12 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 # the kernel list a torch dispatcher error ends with: hundreds of lines that push the error out of a log's tail,
 # printed one per line, or escaped inside the repr of an error another peer sent back
@@ -54,6 +55,7 @@ class LocalSwarm:
         self.script, self.workdir, self.run_id = list(script), Path(workdir), run_id
         self.env = dict(env or {})
         self.peers: dict[str, Peer] = {}
+        self._previous_sigterm: Optional[Any] = None  # restored on leaving the context
         self.workdir.mkdir(parents=True, exist_ok=True)
 
     def start(
@@ -139,10 +141,24 @@ class LocalSwarm:
             self.stop(name, grace)
 
     def __enter__(self) -> LocalSwarm:
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            # a launcher stopped by SIGTERM (timeout, a job scheduler) leaves through __exit__, as on Ctrl-C: its peers
+            # run in their own sessions and would outlive it
+            self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop_all()
+        try:
+            self.stop_all()
+        finally:
+            if self._previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._previous_sigterm)
+                self._previous_sigterm = None
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one unwinding: a second SIGTERM must not interrupt the stopping
+    sys.exit(128 + signum)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

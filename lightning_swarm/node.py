@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import time
 from typing import Any, Awaitable, Optional, Sequence, TypeVar
@@ -18,6 +19,7 @@ from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 
 from lightning_swarm import security
+from lightning_swarm.errors import JoinError
 from lightning_swarm.security import AccessPolicy
 
 log = logging.getLogger(__name__)
@@ -61,17 +63,24 @@ class SwarmNode:
                 if not (unanswered or isinstance(e, P2PDaemonError)) or not self.initial_peers:
                     raise
                 if attempt < attempts:
-                    log.warning("Could not join the swarm (attempt %d of %d): %s", attempt, attempts, e)
+                    log.warning("Could not join the swarm (attempt %d of %d): %s", attempt, attempts, daemon_reason(e))
                     time.sleep(attempt)
-                elif unanswered:
-                    raise RuntimeError(
-                        f"DHT bootstrap failed: none of the initial peers answered ({attempts} attempt(s)). They may "
-                        "be down, unreachable or overloaded; if it is a private swarm, this peer may be off its "
-                        "allow-list or lack its secret (set allowed_peers/identity_path or secret_path; for the "
-                        "lightning-swarm command, pass --secret-path)"
+                    continue
+                tried = ", ".join(self.initial_peers)
+                if unanswered:
+                    raise JoinError(
+                        f"DHT bootstrap failed: none of the initial peers answered ({attempts} attempt(s); tried "
+                        f"{tried}). They may be down, unreachable or overloaded; if it is a private swarm, this peer "
+                        "may be off its allow-list or lack its secret (set allowed_peers/identity_path or secret_path; "
+                        "for the lightning-swarm command, pass --secret-path)",
+                        "DHT bootstrap failed: none of the initial peers answered",
                     ) from None
-                else:
-                    raise
+                raise JoinError(
+                    f"Could not join the swarm through {tried} ({attempts} attempt(s)): {daemon_reason(e)}. Check "
+                    "that a peer still runs at that address (the peer that started the swarm may have exited: pass "
+                    "the address of one that runs) and that this machine can reach it",
+                    daemon_reason(e),
+                ) from None
         self.p2p = self.run(self.dht.replicate_p2p())
         self.daemon_pid = self.dht.run_coroutine(_daemon_pid, return_future=True).result(timeout=self.timeout)
         return self
@@ -84,11 +93,10 @@ class SwarmNode:
             if self.policy.key is not None:
                 validators.append(security.SecretRecordValidator(self.policy.key))
                 authorizer = security.SecretAuthorizer(self.policy.key)
-        return DHT(
+        dht = DHT(
             record_validators=validators,
             authorizer=authorizer,
             initial_peers=self.initial_peers or None,
-            start=True,
             host_maddrs=self.host_maddrs,
             announce_maddrs=self.announce_maddrs or None,
             identity_path=self.identity_path,
@@ -96,8 +104,16 @@ class SwarmNode:
             # never probe routers or public services (UPnP multicast, AutoNAT) unless we listen beyond loopback
             nat_port_map=False,
             auto_nat=not loopback_only,
-            await_ready=True,
+            start=False,
         )
+        try:
+            dht.run_in_background(await_ready=True, timeout=self.timeout)
+        except BaseException:
+            dht.join(timeout=self.timeout)  # a DHT that failed to join exits: reap it, or it stays a zombie
+            if dht.is_alive():
+                dht.terminate()
+            raise
+        return dht
 
     @property
     def peer_id(self) -> PeerID:
@@ -151,6 +167,12 @@ class SwarmNode:
         self.daemon_pid = None
         if self.policy is not None and self.policy.allowed is not None:
             security.remove_guard()  # this process may later join another swarm, or none
+
+
+def daemon_reason(error: BaseException) -> str:
+    """What a libp2p daemon error says, without the daemon's prefixes and log timestamp."""
+    reason = str(error).split(": ", 1)[-1] if isinstance(error, P2PDaemonError) else str(error)
+    return re.sub(r"^(Daemon failed to start: )?\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", reason).strip()
 
 
 def kill_daemon(pid: Optional[int]) -> None:

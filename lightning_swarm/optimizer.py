@@ -20,9 +20,26 @@ from hivemind.dht import DHT
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.utils import get_dht_time
 from hivemind.utils.performance_ema import PerformanceEMA
 
 log = logging.getLogger(__name__)
+
+
+def train_batch_size(trainer: Any) -> Optional[int]:
+    """The batch size this peer trains with: its datamodule's ``batch_size``, else its train DataLoader's (the one
+    ``fit`` was given, or the datamodule's or LightningModule's ``train_dataloader()``); None if neither says."""
+    batch_size = getattr(trainer.datamodule, "batch_size", None)
+    if isinstance(batch_size, int):
+        return batch_size
+    source = getattr(trainer.fit_loop, "_data_source", None)  # where Lightning itself takes the train DataLoader
+    if source is None or not source.is_defined():
+        return None
+    loader = source.dataloader()
+    batch_size = getattr(loader, "batch_size", None) or getattr(
+        getattr(loader, "batch_sampler", None), "batch_size", None
+    )
+    return batch_size if isinstance(batch_size, int) else None
 
 
 def restrict_to(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -156,6 +173,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         super().__init__(*args, **kwargs)
         self.steps = 0
         self.allreduce_sizes: Counter[int] = Counter()  # gradient all-reduces that succeeded, by group size
+        self.failed_rounds = 0  # gradient all-reduces that failed (no group found, or timed out): stepped alone
+        self.failed_round_seconds = 0.0  # from the start of their matchmaking to their failure
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
         return CountingProgressTracker(
@@ -191,8 +210,14 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
-        if maybe_step_control is not None and maybe_step_control.done() and not maybe_step_control.exception():
+        if maybe_step_control is None or not maybe_step_control.done() or maybe_step_control.cancelled():
+            return
+        if maybe_step_control.exception() is None:
             self.allreduce_sizes[len(maybe_step_control.result())] += 1
+        else:
+            self.failed_rounds += 1
+            started = maybe_step_control.scheduled_time - self.matchmaking_time
+            self.failed_round_seconds += max(0.0, get_dht_time() - started)
 
     def _load_averaged_gradients_into_optimizer_(self) -> None:
         # hivemind makes a missing .grad (zero_grad sets it to None) a clone of the averaged gradient, which lives on
@@ -247,7 +272,13 @@ class SwarmOptimizer(hivemind.Optimizer):
     def progress(self) -> dict:
         """This peer's epoch, steps taken, and gradient all-reduces by group size (string keys, for msgpack)."""
         sizes = {str(k): v for k, v in self.allreduce_sizes.items()}
-        return dict(epoch=self.local_epoch, steps=self.steps, allreduce_sizes=sizes)
+        return dict(
+            epoch=self.local_epoch,
+            steps=self.steps,
+            allreduce_sizes=sizes,
+            failed_rounds=self.failed_rounds,
+            failed_round_seconds=self.failed_round_seconds,
+        )
 
     def apply_finished_update(self, wait: bool = False) -> None:
         """Delayed updates: put the result of a background step that has finished into the parameters now (``wait``:

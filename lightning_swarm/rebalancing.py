@@ -33,11 +33,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
-from lightning_swarm.discovery import PeerRecord, PeerState, current_records
+from lightning_swarm.discovery import PeerRecord, PeerState, current_records, fetch_swarm, store_record
+from lightning_swarm.node import SwarmNode
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MARGIN = 0.1
+JOIN_SETTLE = 1.0  # seconds a newcomer waits after claiming its stage before it checks who else claimed it
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,45 @@ def bottleneck(swarm: list[dict[str, PeerRecord]]) -> list[int]:
     return [k for k, total in enumerate(totals) if total <= min(totals) * (1 + 1e-9)]
 
 
+def join_stage(node: SwarmNode, run_id: str, num_stages: int, ttl: float, settle: float = JOIN_SETTLE) -> int:
+    """The stage a newcomer serves: a bottleneck stage, claimed at once with a "joining" record (lasting ``ttl``
+    seconds, until the peer's announcer takes over) and checked again ``settle`` seconds later. Newcomers that
+    chose at the same moment, before seeing each other's claims, see them then and spread over the stages without
+    peers (:func:`spread_joiners`) instead of all serving the same one."""
+    peer_id = str(node.peer_id)
+    stage = random.Random().choice(bottleneck(fetch_swarm(node, run_id, num_stages)))  # OS-seeded
+    try:
+        store_record(node, run_id, PeerRecord(peer_id, stage, PeerState.JOINING, 0.0, 0), ttl)
+    except Exception as e:  # unclaimed, the choice stands; rebalancing refills a stage left empty
+        log.warning("Could not claim stage %d: %r", stage, e)
+        return stage
+    time.sleep(settle)
+    chosen = spread_joiners(fetch_swarm(node, run_id, num_stages), peer_id, stage)
+    if chosen != stage:
+        log.warning("Stage %d was chosen by another newcomer at the same moment: serving stage %d", stage, chosen)
+        store_record(node, run_id, PeerRecord(peer_id, chosen, PeerState.JOINING, 0.0, 0), ttl)
+        store_record(node, run_id, PeerRecord(peer_id, stage, PeerState.LEAVING, 0.0, 0), ttl)
+    return chosen
+
+
+def spread_joiners(swarm: list[dict[str, PeerRecord]], peer_id: str, stage: int) -> int:
+    """The stage ``peer_id`` (joining ``stage``) serves so that no stage stays without a peer while another has
+    several: the surplus joining peers of crowded stages, in an order every peer computes alike, take the stages
+    without peers, one each."""
+    records = current_records(swarm)
+    records[peer_id] = PeerRecord(peer_id, stage, PeerState.JOINING, 0.0, 0)  # its claim may not be read back yet
+    by_stage: list[list[PeerRecord]] = [[] for _ in swarm]
+    for record in records.values():
+        if record.stage is not None:
+            by_stage[record.stage].append(record)
+    empty = [k for k, peers in enumerate(by_stage) if not peers]
+    surplus = []
+    for peers in by_stage:
+        joining = sorted((r.peer_id for r in peers if r.state == PeerState.JOINING), key=lambda p: _tiebreak(p, 0))
+        surplus.extend(joining[: len(peers) - 1])  # a crowded stage keeps one peer at least
+    return empty[surplus.index(peer_id)] if peer_id in surplus[: len(empty)] else stage
+
+
 def _present(swarm: list[dict[str, PeerRecord]]) -> list[PeerRecord]:
     return [r for r in current_records(swarm).values() if r.stage is not None]
 
@@ -233,12 +274,14 @@ class Rebalancer:
 
     def tick(self, round_: int) -> Optional[Move]:
         """Plan one round; returns (and requests) this peer's move if it is chosen and free to move."""
-        if self.paused.is_set() or time.monotonic() - self.moved_at < self.cooldown:
+        if self.paused.is_set():
             return None
         swarm = self.read_swarm()
         if not swarm:
             return None
         plan = make_plan(swarm, round_, self.margin)
+        if plan.current > 0 and time.monotonic() - self.moved_at < self.cooldown:
+            return None  # cooling down, unless a stage has no peer: that one is refilled at once
         move = plan.move_of(self.peer_id)
         if move is not None:
             log.warning(

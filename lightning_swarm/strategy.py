@@ -22,7 +22,6 @@ import io
 import logging
 import multiprocessing
 import os
-import random
 import re
 import signal
 import threading
@@ -44,13 +43,14 @@ from lightning_swarm.callbacks import dispatch
 from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY
 from lightning_swarm.client.microbatch_tuning import check_microbatches
 from lightning_swarm.client.remote_pipeline import RemotePipeline
-from lightning_swarm.client.routing import StageRouter
+from lightning_swarm.client.routing import WAIT_LOG_PERIOD, StageRouter
 from lightning_swarm.compression import Codec, check_codec
 from lightning_swarm.discovery import Announcer, PeerRecord, PeerState
-from lightning_swarm.errors import StageUnavailableError
+from lightning_swarm.errors import StageUnavailableError, failure_line
 from lightning_swarm.events import EventQueue, PeerJoined, PeerLeft, StageChanged, StageStep
+from lightning_swarm.logs import RateLimit
 from lightning_swarm.node import LOOPBACK_MADDRS, SwarmNode, kill_daemon
-from lightning_swarm.optimizer import restrict_to, swarm_optimizer
+from lightning_swarm.optimizer import restrict_to, swarm_optimizer, train_batch_size
 from lightning_swarm.precision import check_precision
 from lightning_swarm.rebalancing import Move, Plan, Rebalancer
 from lightning_swarm.security import AccessPolicy
@@ -89,7 +89,8 @@ class SwarmStrategy(Strategy):
             until the process receives SIGTERM or SIGINT); ``"drive"`` only sends its batches through the swarm.
         stage: the stage to serve. None: the stage with the fewest peers when this peer joins.
         target_batch_size: samples (summed over the swarm) after which a stage, and the local parameters, take an
-            optimizer step. None: the batch size of the datamodule (``datamodule.batch_size``).
+            optimizer step. None: this peer's batch size, from ``datamodule.batch_size`` or else the train
+            DataLoader's ``batch_size``.
         compression: codec for activations and their gradients between stages: ``"8bit"`` (blockwise),
             ``"float16"`` or ``"none"``.
         delayed_updates: a stage's all-reduce and optimizer step run in the background while its peer keeps
@@ -273,6 +274,8 @@ class SwarmStrategy(Strategy):
         self._batch_size: Optional[int] = None
         self._stop_requested = threading.Event()
         self._training = False
+        self._failure: Optional[BaseException] = None  # what made training raise (see on_exception)
+        self._gathered_steps: dict[int, Optional[int]] = {}  # each stage's step in the last model gathered
         self._layout: Optional[dict] = None  # stage count and spans, published for peers and tools
         self._blueprint: Optional[nn.Sequential] = None  # the whole pipeline, blocks of other stages on meta
         self.events = EventQueue()
@@ -395,6 +398,8 @@ class SwarmStrategy(Strategy):
             self._announcer = self._make_announcer()
             self._announcer.start()
         if self.role != "serve":
+            if fitting:
+                self._set_training(True)  # about to train: peers that finished serve on for it (linger)
             self._wait_for_stages()
         if fitting and self.role == "serve":
             self._serve_until_stopped(trainer)
@@ -406,6 +411,13 @@ class SwarmStrategy(Strategy):
         self._service()
         if self._rebalancer is not None:
             self._rebalancer.paused.set()  # about to leave: a move would only cost the swarm a download
+        self._set_training(False)
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Training raised: say why now (Lightning prints the traceback only after teardown) and tell the swarm this
+        peer no longer trains, so that nobody lingers for it; it then leaves without lingering itself."""
+        self._failure = exception
+        log.error(failure_line(exception))
         self._set_training(False)
 
     def _set_training(self, training: bool) -> None:
@@ -434,8 +446,10 @@ class SwarmStrategy(Strategy):
                 "fit, e.g. with ModelCheckpoint or in on_train_end), not after fit/validate/test returned"
             )
         state = {k: v for k, v in state.items() if not k.startswith(self._pipeline_name + ".")}
+        self._gathered_steps = {}  # recorded in the checkpoint by save_checkpoint
         for span in self._spans:
-            for key, tensor in self.fetch_stage_state(span.index).items():
+            stage_state, self._gathered_steps[span.index] = self.fetch_stage_state_and_step(span.index)
+            for key, tensor in stage_state.items():
                 state[partitioning.stage_state_key(self._pipeline_name, span, key)] = tensor
         return state
 
@@ -470,6 +484,8 @@ class SwarmStrategy(Strategy):
             return
         if "optimizer_states" in checkpoint and self.router is not None and self._pipeline_name is not None:
             checkpoint[STAGE_OPTIMIZERS_KEY] = self._gather_stage_optimizers()
+        if self._gathered_steps:
+            checkpointing.record_stage_steps(checkpoint, self._gathered_steps, str(filepath))
         super().save_checkpoint(checkpoint, filepath, storage_options)
         self.__dict__.setdefault("_written_checkpoints", set()).add(os.path.abspath(str(filepath)))
         if self.node is not None:  # where a stage that loses all its peers is restored from
@@ -536,12 +552,16 @@ class SwarmStrategy(Strategy):
 
     def fetch_stage_state(self, stage: int) -> dict[str, torch.Tensor]:
         """The current state dict of ``stage`` (stage-local keys), from this peer or a live peer of the stage."""
+        return self.fetch_stage_state_and_step(stage)[0]
+
+    def fetch_stage_state_and_step(self, stage: int) -> tuple[dict[str, torch.Tensor], Optional[int]]:
+        """:meth:`fetch_stage_state`, and the optimizer step that state is at (None if unknown)."""
         if self.server is not None and self.served_stage == stage:
-            return self.server.state_dict()
-        return self.router.fetch_state(stage)
+            return self.server.state_and_step()
+        return self.router.fetch_state_and_step(stage)
 
     def teardown(self) -> None:
-        if self.server is not None and self.role != "serve":
+        if self.server is not None and self.role != "serve" and self._failure is None:
             self._linger()
         for thread in (self._rebalancer, self._watcher):
             if thread is not None:
@@ -650,8 +670,7 @@ class SwarmStrategy(Strategy):
         """The given stage, else a bottleneck stage: the lowest summed throughput (a stage without peers first)."""
         if self.stage is not None:
             return self.stage
-        lowest = rebalancing.bottleneck(discovery.fetch_swarm(self.node, self.run_id, self.num_stages))
-        return random.Random().choice(lowest)  # OS-seeded
+        return rebalancing.join_stage(self.node, self.run_id, self.num_stages, ttl=2 * self.update_period + LEAVE_GRACE)
 
     def _build_stage_optimizer(self, trainer: Trainer) -> Any:
         """The user's optimizer (class and per-group hyper-parameters) over this stage's parameters.
@@ -823,11 +842,14 @@ class SwarmStrategy(Strategy):
     def _service(self) -> None:
         """On the training (or serving) thread, between steps: carry out a planned move, then hand the queued
         swarm events to the callbacks."""
+        self._carry_out_move()
+        dispatch(self.lightning_module.trainer, self.events.drain())
+
+    def _carry_out_move(self) -> None:
         with self._move_lock:
             pending, self._pending_move = self._pending_move, None
         if pending is not None and not self._stop_requested.is_set():
             self._move(*pending)
-        dispatch(self.lightning_module.trainer, self.events.drain())
 
     def _move(self, move: Move, plan: Plan) -> None:
         """Serve ``move.to_stage`` instead: leave the current stage gracefully, take the new stage's blocks, and
@@ -937,18 +959,19 @@ class SwarmStrategy(Strategy):
 
     def _resolve_target_batch_size(self, trainer: Trainer) -> int:
         if self.target_batch_size is None:
-            batch_size = getattr(trainer.datamodule, "batch_size", None)
-            if not isinstance(batch_size, int):
+            batch_size = train_batch_size(trainer)
+            if batch_size is None:
                 raise ValueError(
                     "Set target_batch_size (or SWARM_TARGET_BATCH_SIZE): the samples, summed over the swarm, "
-                    "after which the swarm takes an optimizer step"
+                    "after which the swarm takes an optimizer step (this peer's datamodule and train DataLoader "
+                    "have no batch_size to start from)"
                 )
             self.target_batch_size = batch_size
         return self.target_batch_size
 
     def _wait_for_stages(self) -> None:
         """Block until every stage has a serving peer, logging which ones are missing."""
-        deadline = time.monotonic() + self.join_timeout
+        deadline, due = time.monotonic() + self.join_timeout, RateLimit(WAIT_LOG_PERIOD)
         while True:
             missing = [k for k in range(self.num_stages) if self.router.choose(k, 1) is None]
             if not missing:
@@ -958,9 +981,11 @@ class SwarmStrategy(Strategy):
                     f"Stages {missing} of run {self.run_id!r} have no live peer after {self.join_timeout:.0f}s: "
                     f"start peers that serve them (or check initial_peers)"
                 )
-            log.warning("Waiting for peers to serve stage(s) %s", missing)
+            if due():
+                log.warning("Waiting for peers to serve stage(s) %s", missing)
             for k in missing:
                 self.router.refresh(k, force=True)
+            self._carry_out_move()  # e.g. from a stage two newcomers took together to one nobody serves
             time.sleep(1.0)
 
     def _serve_until_stopped(self, trainer: Trainer) -> None:
@@ -971,7 +996,7 @@ class SwarmStrategy(Strategy):
 
     def _linger(self) -> None:
         """Keep serving while other peers are still training, so that finishing first does not strand them."""
-        deadline = time.monotonic() + self.linger
+        deadline, due = time.monotonic() + self.linger, RateLimit(60.0)
         while time.monotonic() < deadline and not self._stop_requested.is_set():
             try:
                 others = discovery.training_peers(self.node, self.run_id, self.num_stages) - {str(self.node.peer_id)}
@@ -980,6 +1005,12 @@ class SwarmStrategy(Strategy):
                 others = {"unknown"}
             if not others:
                 return
+            if due():
+                log.warning(
+                    "Training done: serving on while %d other peer(s) train (for %.0fs more at most: linger)",
+                    len(others),
+                    deadline - time.monotonic(),
+                )
             self._service()
             time.sleep(self.update_period / 2)
 

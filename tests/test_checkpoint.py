@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 
 import torch
 from conftest import SMALL_GPT
@@ -15,7 +16,7 @@ from raw_client import RawClient, wait_until_serving, wire
 from test_swarm import FAST
 
 from lightning_swarm import compression, protocol
-from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY
+from lightning_swarm.checkpointing import CONSISTENT_KEY, STAGE_OPTIMIZERS_KEY, STAGE_STEPS_KEY, record_stage_steps
 from lightning_swarm.node import SwarmNode
 
 GPT_ARGS = [*SMALL_GPT[:2], *SMALL_GPT[4:], "--n-layer", "3", "--lr", "1e-2"]  # three blocks: one per stage
@@ -93,6 +94,9 @@ def test_checkpoint_loads_into_the_plain_model_and_resumes_the_swarm(swarm, tmp_
     checkpoint = torch.load(ckpt, weights_only=False)
     saved, saved_optimizers = checkpoint["state_dict"], checkpoint[STAGE_OPTIMIZERS_KEY]
     assert sorted(saved_optimizers) == [0, 1, 2]
+    steps = checkpoint[STAGE_STEPS_KEY]  # each stage's step, as gathered (all idle at the end: the same)
+    assert sorted(steps) == [0, 1, 2] and all(isinstance(step, int) and step > 0 for step in steps.values())
+    assert checkpoint[CONSISTENT_KEY] == (len(set(steps.values())) == 1)
     node = SwarmNode(initial_peers=resumed_stages[0].addresses()).start()
     try:
         for k, peer in enumerate(resumed_stages):  # one block per stage: stage k holds blocks.k as "0.*"
@@ -174,3 +178,16 @@ def test_checkpoint_seeds_meta_blocks_and_a_cut_pipeline():
     assert torch.equal(model.head.weight, saved["head.weight"])
     stage = strategy._stage_module.state_dict()
     assert stage.keys() and all(torch.equal(stage[k], saved["blocks.1." + k.split(".", 1)[1]]) for k in stage)
+
+
+def test_a_checkpoint_records_each_stages_step_and_says_when_they_differ(caplog):
+    """Stages step on their own: a checkpoint gathered while the swarm trains may hold stage 0 after its step 4 and
+    stage 1 before it. Each stage's step is recorded, and a cut between steps is marked and warned about."""
+    same, cut = {}, {}
+    with caplog.at_level(logging.WARNING, logger="lightning_swarm"):
+        record_stage_steps(same, {0: 4, 1: 4}, "same.ckpt")
+        assert not caplog.records
+        record_stage_steps(cut, {0: 4, 1: 3}, "cut.ckpt")
+    assert same[STAGE_STEPS_KEY] == {0: 4, 1: 4} and same[CONSISTENT_KEY]
+    assert cut[STAGE_STEPS_KEY] == {0: 4, 1: 3} and not cut[CONSISTENT_KEY]
+    assert "cut.ckpt: the stages were gathered at different steps (stage 0: 4, stage 1: 3)" in caplog.text

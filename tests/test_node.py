@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from lightning_swarm.errors import JoinError
 from lightning_swarm.node import SwarmNode
 
 
@@ -15,3 +18,17 @@ def test_a_later_record_replaces_an_earlier_one_that_would_outlive_it():
         assert node.dht_get("records_test") == {"me": "leaving"}
     finally:
         node.shutdown()
+
+
+def test_joining_through_a_peer_that_died_ends_with_one_clear_line():
+    """The peer that started the swarm exits before a joiner starts: the joiner's error names what failed, the
+    address it tried and what to check, without the daemon's raw error chained to it."""
+    first = SwarmNode().start()
+    addresses = first.visible_maddrs()
+    first.shutdown()
+    with pytest.raises(JoinError) as failure:
+        SwarmNode(addresses).start(attempts=1)
+    message = str(failure.value)
+    assert message.startswith("Could not join the swarm through " + ", ".join(addresses)) and "\n" not in message
+    assert "Check that a peer still runs at that address" in message
+    assert failure.value.__suppress_context__

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from lightning_swarm import rebalancing
 from lightning_swarm.discovery import PeerRecord, PeerState
 from lightning_swarm.rebalancing import Plan, Rebalancer, best_allocation, bottleneck, capacities, make_plan
 
@@ -158,3 +161,72 @@ def test_best_allocation_is_exhaustive(num_stages):
         allocation = {p: (code // num_stages**i) % num_stages for i, p in enumerate(peers)}
         best = max(best, swarm_throughput(allocation, throughput, num_stages))
     assert best_allocation(throughput, num_stages) == pytest.approx(best)
+
+
+class SharedRecords:
+    """The DHT records of a swarm, in memory, as one peer's node reads and writes them."""
+
+    def __init__(self, peer_id: str, records: dict, lock: threading.Lock) -> None:
+        self.peer_id, self.records, self.lock = peer_id, records, lock
+
+    def dht_get(self, key: str) -> dict:
+        with self.lock:
+            return dict(self.records.get(key, {}))
+
+    def dht_store(self, key: str, subkey: str, value: object, ttl: float) -> bool:
+        with self.lock:
+            self.records.setdefault(key, {})[subkey] = value
+        return True
+
+
+class FirstChoice:
+    """A random pick that always takes the first option: the worst case for newcomers choosing together."""
+
+    def choice(self, options: list) -> object:
+        return options[0]
+
+
+def test_newcomers_that_choose_the_same_stage_at_once_spread_over_the_stages_without_peers(monkeypatch):
+    """Three peers join an empty 3-stage swarm at the same moment: all read the swarm before any claimed a stage,
+    and all pick stage 0 (the worst case of a random pick among equal stages). After the settling time each sees
+    the others' claims, and they end on three different stages."""
+    records, lock = {}, threading.Lock()
+    read_together = threading.Barrier(3)
+    fetch_swarm = rebalancing.fetch_swarm
+    first_reads = set()
+
+    def fetch_together(node, run_id, num_stages):
+        if node.peer_id not in first_reads:
+            first_reads.add(node.peer_id)
+            swarm = fetch_swarm(node, run_id, num_stages)
+            read_together.wait(timeout=10)  # nobody claims before everybody read: the race, forced
+            return swarm
+        return fetch_swarm(node, run_id, num_stages)
+
+    monkeypatch.setattr(rebalancing, "fetch_swarm", fetch_together)
+    monkeypatch.setattr(rebalancing.random, "Random", FirstChoice)
+    peers = [SharedRecords(f"peer{i}", records, lock) for i in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        stages = list(pool.map(lambda node: rebalancing.join_stage(node, "run", 3, ttl=30, settle=0.2), peers))
+    assert sorted(stages) == [0, 1, 2]
+
+
+def test_spread_joiners_leaves_serving_peers_and_full_swarms_alone():
+    # a serving peer and a joiner on stage 0, stage 1 empty: the joiner takes stage 1
+    swarm = records({"s": 0, "j": 0}, {"s": 10.0, "j": 0.0}, 2, j=PeerState.JOINING)
+    assert rebalancing.spread_joiners(swarm, "j", 0) == 1
+    # every stage has a peer: nobody moves
+    swarm = records({"s": 0, "j": 0, "t": 1}, {"s": 10.0, "j": 0.0, "t": 10.0}, 2, j=PeerState.JOINING)
+    assert rebalancing.spread_joiners(swarm, "j", 0) == 0
+    # two joiners on stage 0 and two empty stages: both leave stage 0 only if a peer stays; here one stays
+    swarm = records({"a": 0, "b": 0}, {"a": 0.0, "b": 0.0}, 3, a=PeerState.JOINING, b=PeerState.JOINING)
+    assert sorted(rebalancing.spread_joiners(swarm, p, 0) for p in "ab") == [0, 1]
+
+
+def test_a_stage_without_peers_is_refilled_without_waiting_for_the_cooldown():
+    """Two newcomers took stage 0 of two stages: the one the plan chooses moves in the first round, although both
+    just joined (the cooldown keeps peers from moving again soon, never a stage empty)."""
+    allocation = {"a": 0, "b": 0}
+    swarm = records(allocation, dict.fromkeys(allocation, 0.0), 2)
+    moves = [Rebalancer(peer, 60.0, lambda: swarm, lambda move, plan: None).tick(7) for peer in allocation]
+    assert [m.to_stage for m in moves if m is not None] == [1]

@@ -124,3 +124,21 @@ def test_a_throttled_peer_gets_work_in_proportion_to_its_throughput(swarm, tmp_p
     picks = (calls[slow] + calls[fast]) / 2
     spread = 3 * math.sqrt(throughput_share * (1 - throughput_share) / picks)
     assert abs(work_share - throughput_share) <= spread < 0.5 - throughput_share
+
+
+def test_newcomers_that_took_the_same_stage_end_up_serving_every_stage(swarm, tmp_path):
+    """The outcome of two newcomers racing for the same empty stage, forced: three trainers on three stages start
+    together, two of them on stage 0, none on stage 2. While they wait for stage 2, the rebalancing plan moves one
+    of the two there (a stage without peers is refilled without waiting for the newcomers' cool-down), and all
+    three train to the end (before, every peer waited for stage 2 until join_timeout and failed)."""
+    env = {**FAST, "SWARM_NUM_STAGES": "3", "SWARM_TARGET_BATCH_SIZE": "8", "SWARM_REBALANCE_PERIOD": "3"}
+    names = {"a": 0, "b": 0, "c": 1}
+    args = [*THREE_BLOCKS, "--max-steps", "5"]
+    swarm.start_together({name: (args, {**env, "SWARM_STAGE": str(stage)}) for name, stage in names.items()})
+    started = time.monotonic()
+    for name in names:
+        assert swarm.wait(name, timeout=float(FAST["SWARM_JOIN_TIMEOUT"]) + 60) == 0, swarm.peers[name].log()[-3000:]
+    took = time.monotonic() - started
+    moved = [name for name in names if "Rebalancing: moving from stage 0 to stage 2" in swarm.peers[name].log()]
+    print(f"two newcomers on stage 0 of 3: {moved} moved to stage 2; all done {took:.0f}s after they joined")
+    assert len(moved) == 1

@@ -8,8 +8,12 @@ import re
 import signal
 import time
 
+import pytest
 from conftest import SMALL_GPT
 from test_swarm import FAST
+
+from lightning_swarm.client.routing import StageRouter
+from lightning_swarm.errors import StageUnavailableError
 
 WAIT_LINE = re.compile(r"Stage 1 of run '[^']+' has no live peer: waiting for one")
 
@@ -22,17 +26,43 @@ def steps_done(path) -> int:
         return 0
 
 
-def start_and_kill_stage1(swarm, tmp_path, env: dict, steps: int):
-    """A trainer (stage 0) and the only stage-1 peer; once the trainer made progress, kill -9 the stage-1 peer
+def test_wait_for_a_stage_is_not_restarted_by_retrying_a_banned_peer(monkeypatch):
+    """A dead peer's record outlives it: each time its ban expires it is tried again, and fails. The time without a
+    live peer counts from the first wait on, so the call gives up after stage_wait_timeout (not after max_retries
+    attempts spaced by growing pauses, with the wait restarted at each)."""
+    router = StageRouter(None, "run", 1, max_retries=6, stage_wait_timeout=2.0)
+    banned_until = 0.0
+
+    def choose(stage, batch, exclude=frozenset()):
+        return None if "dead" in exclude or time.monotonic() < banned_until else "dead"
+
+    def call_dead_peer(*args):
+        nonlocal banned_until
+        banned_until = time.monotonic() + 1.5  # longer than the first pauses between attempts
+        raise ConnectionError("dead")
+
+    monkeypatch.setattr(router, "refresh", lambda stage, force=False: None)
+    monkeypatch.setattr(router, "choose", choose)
+    monkeypatch.setattr(router, "call_peer", call_dead_peer)
+    start = time.monotonic()
+    with pytest.raises(StageUnavailableError, match="has had no live peer for"):
+        router.call(0, "forward", [], {}, 1)
+    assert time.monotonic() - start < 6.0
+
+
+def start_and_kill_stage1(swarm, tmp_path, env: dict, steps: int, trainers: tuple = ("trainer",)):
+    """Trainers (stage 0) and the only stage-1 peer; once every trainer made progress, kill -9 the stage-1 peer
     with its daemons."""
     swarm.start("stage1", SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})
     record = tmp_path / "trainer.json"
-    args = [*SMALL_GPT, "--max-steps", str(steps), "--history", str(record)]
-    swarm.start("trainer", args, env={**env, "SWARM_STAGE": "0"})
+    for name in trainers:
+        args = [*SMALL_GPT, "--max-steps", str(steps), "--history", str(tmp_path / f"{name}.json")]
+        swarm.start(name, args, env={**env, "SWARM_STAGE": "0"})
     deadline = time.monotonic() + 120
-    while steps_done(record) < 5:  # History writes every 5 steps
-        assert time.monotonic() < deadline and swarm.peers["trainer"].alive(), swarm.peers["trainer"].log()[-3000:]
-        time.sleep(0.2)
+    for name in trainers:
+        while steps_done(tmp_path / f"{name}.json") < 5:  # History writes every 5 steps
+            assert time.monotonic() < deadline and swarm.peers[name].alive(), swarm.peers[name].log()[-3000:]
+            time.sleep(0.2)
     os.killpg(swarm.peers["stage1"].process.pid, signal.SIGKILL)  # the peer and its p2pd: a machine lost
     swarm.peers["stage1"].process.wait(timeout=30)
     return record, time.monotonic()
@@ -88,3 +118,22 @@ def test_trainer_gives_up_after_stage_wait_timeout(swarm, tmp_path):
     assert re.search(r"StageUnavailableError: Stage 1 of run '[^']+' has had no live peer for \d+s", log), log[-3000:]
     assert "stage_wait_timeout=6s" in log
     assert timeout <= took < timeout + 60
+
+
+def test_failed_trainers_leave_at_once(swarm, tmp_path):
+    """Two trainers lose their only stage-1 peer: each says why as soon as stage_wait_timeout is over, tells the
+    swarm it no longer trains, and exits within seconds, instead of lingering (up to ``linger``) for the other
+    failed trainer, whose record still said it trained."""
+    timeout = 6.0
+    env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "8", "SWARM_STAGE_WAIT_TIMEOUT": str(timeout)}
+    _, killed_at = start_and_kill_stage1(swarm, tmp_path, env, steps=1000, trainers=("trainer", "trainer2"))
+    took = {}
+    for name in ("trainer", "trainer2"):
+        assert swarm.wait(name, timeout=float(FAST["SWARM_LINGER"]) + 60) != 0
+        took[name] = time.monotonic() - killed_at
+    print(f"stage wait timeout {timeout:g}s, linger {FAST['SWARM_LINGER']}s: trainers exited after {took}")
+    for name in took:
+        log = swarm.peers[name].log()
+        assert took[name] < timeout + 45, log[-3000:]  # linger is 120 s: never waited out
+        assert re.search(r"Training failed, leaving the swarm now: StageUnavailableError: Stage 1", log), log[-3000:]
+        assert "Training done: serving on" not in log

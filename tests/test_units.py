@@ -24,6 +24,7 @@ from lightning_swarm.client.remote_pipeline import RemotePipeline
 from lightning_swarm.client.routing import PeerLoad, RouterStats, StageRouter
 from lightning_swarm.discovery import PeerRecord, PeerState
 from lightning_swarm.launch import Peer
+from lightning_swarm.optimizer import train_batch_size
 from lightning_swarm.strategy import SwarmStrategy
 
 
@@ -458,3 +459,42 @@ def test_auto_microbatches_are_resolved_per_batch_and_travel_concurrently():
             assert router.most == count
     finally:
         pipeline.close()
+
+
+class _Regression(L.LightningModule):
+    def __init__(self, loader_batch_size: int) -> None:
+        super().__init__()
+        self.layer, self.loader_batch_size = nn.Linear(2, 1), loader_batch_size
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(12, 2))
+        return torch.utils.data.DataLoader(data, batch_size=self.loader_batch_size)
+
+
+class _BatchSizeSeen(L.Callback):
+    def setup(self, trainer, pl_module, stage):
+        self.seen = train_batch_size(trainer)
+
+
+@pytest.mark.parametrize("given", ["module", "fit", "datamodule"])
+def test_target_batch_size_defaults_to_the_train_dataloaders_batch_size(given):
+    """Without target_batch_size, a peer starts from its batch size, read (when the strategy sets up) from its
+    datamodule's ``batch_size`` or else from its train DataLoader, however ``fit`` got it."""
+    module, seen = _Regression(loader_batch_size=3), _BatchSizeSeen()
+    trainer = L.Trainer(max_steps=1, callbacks=[seen], logger=False, enable_checkpointing=False, barebones=True)
+    if given == "module":
+        trainer.fit(module)
+    elif given == "fit":
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(torch.zeros(8, 2), batch_size=5))
+    else:
+        datamodule = L.LightningDataModule.from_datasets(
+            torch.utils.data.TensorDataset(torch.zeros(8, 2)), batch_size=6
+        )
+        trainer.fit(module, datamodule=datamodule)
+    assert seen.seen == {"module": 3, "fit": 5, "datamodule": 6}[given]

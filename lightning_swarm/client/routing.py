@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import threading
 import time
@@ -41,6 +40,7 @@ from lightning_swarm.errors import (
     StageUnavailableError,
     SwarmRequestError,
 )
+from lightning_swarm.logs import RateLimit
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.server.stage_server import StageServer, stage_uid
 from lightning_swarm.transport import CONNECT_TIMEOUT, DirectClient, DirectRequest, DirectUnreachable
@@ -101,7 +101,7 @@ class StageRouter:
         self.direct = direct  # call peers on their direct addresses when they publish one
         self.stage_wait_timeout = stage_wait_timeout
         self.stop = stop  # set when this peer is leaving: waiting for a stage ends at once
-        self._wait_logged_at: dict[int, float] = {}  # stage -> when "no live peer" was last logged
+        self._wait_logged = RateLimit(WAIT_LOG_PERIOD)  # "no live peer" lines, per stage
         self.request_timeout, self.max_retries, self.ban_timeout = request_timeout, max_retries, ban_timeout
         self.refresh_period = refresh_period
         self.stats = RouterStats()
@@ -184,7 +184,8 @@ class StageRouter:
                 waiting_since = waiting_since or time.monotonic()
                 self._wait_for_peer(stage, waiting_since, last_error)
                 continue
-            waiting_since = None
+            # waiting_since is kept: a banned peer retried once its ban expired (a dead one, whose record has not
+            # expired yet) must not restart the count towards stage_wait_timeout
             try:
                 reply = self.call_peer(stage, peer, method, tensors, metadata, batch)
                 if last_error is not None:
@@ -231,11 +232,7 @@ class StageRouter:
                 f"raise stage_wait_timeout (SWARM_STAGE_WAIT_TIMEOUT)"
                 + (f"; last error: {last_error!r}" if last_error is not None else "")
             )
-        with self._lock:
-            should_log = now - self._wait_logged_at.get(stage, -math.inf) >= WAIT_LOG_PERIOD
-            if should_log:
-                self._wait_logged_at[stage] = now
-        if should_log:
+        if self._wait_logged(stage):
             log.warning(
                 "Stage %d of run %r has no live peer: waiting for one to serve it (%.0fs so far, giving up after %gs)",
                 stage,
@@ -342,10 +339,17 @@ class StageRouter:
         return metadata if policy is None else policy.sign_metadata(metadata, self.run_id, self.node.peer_id, peer)
 
     def fetch_state(self, stage: int, optimizer: bool = False) -> dict[str, torch.Tensor]:
+        """:meth:`fetch_state_and_step`'s state."""
+        return self.fetch_state_and_step(stage, optimizer)[0]
+
+    def fetch_state_and_step(
+        self, stage: int, optimizer: bool = False
+    ) -> tuple[dict[str, torch.Tensor], Optional[int]]:
         """Download the current state dict of ``stage`` from one of its live peers (waiting up to
         ``stage_wait_timeout`` seconds for one while the stage has none). ``optimizer``: its optimizer's state dict
         instead, as ``{"optimizer": uint8 tensor}`` holding ``torch.save`` bytes. A peer that fails (busy, or
-        refusing while it steps) is tried again after the others, with a growing pause, up to ``max_retries``."""
+        refusing while it steps) is tried again after the others, with a growing pause, up to ``max_retries``.
+        Returns the state and the optimizer step it is at (None if the peer did not say)."""
 
         async def download(stub, request) -> tuple[list[runtime_pb2.Tensor], dict]:
             parts, metadata = [], b""
@@ -370,13 +374,14 @@ class StageRouter:
                 waiting_since = waiting_since or time.monotonic()
                 self._wait_for_peer(stage, waiting_since, None)
                 continue
-            waiting_since = None
             stub = StageServer.get_stub(self.node.p2p, PeerID.from_base58(peer), namespace=self.run_id)
             metadata = protocol.encode_metadata(self._with_token({"optimizer": True} if optimizer else {}, peer))
             request = runtime_pb2.ExpertRequest(uid=stage_uid(self.run_id, stage), metadata=metadata)
             try:
                 tensors, metadata = self.node.run(download(stub, request), timeout=self.request_timeout)
-                return {k: compression.deserialize(t) for k, t in zip(metadata["keys"], tensors)}
+                step = metadata.get("step")
+                state = {k: compression.deserialize(t) for k, t in zip(metadata["keys"], tensors)}
+                return state, step if isinstance(step, int) else None
             except Exception as e:
                 log.warning("Stage %d: could not download state from %s: %r", stage, peer, e)
                 errors.append(peer)

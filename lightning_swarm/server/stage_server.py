@@ -205,12 +205,13 @@ class StageServer(ServicerBase):
         if protocol.decode_metadata(request.metadata).get("optimizer"):
             if self.optimizer_state is None:
                 raise SwarmRequestError(f"stage {self.stage} has no optimizer on this peer (it is not training)")
-            state = {"optimizer": await asyncio.get_running_loop().run_in_executor(None, self._optimizer_bytes)}
+            optimizer = await asyncio.get_running_loop().run_in_executor(None, self._optimizer_bytes)
+            state, step = {"optimizer": optimizer}, None
         else:
-            state = await asyncio.get_running_loop().run_in_executor(None, self.state_dict)
+            state, step = await asyncio.get_running_loop().run_in_executor(None, self.state_and_step)
         response = runtime_pb2.ExpertResponse(
             tensors=[compression.serialize(t, "none") for t in state.values()],
-            metadata=protocol.encode_metadata({"keys": list(state)}),
+            metadata=protocol.encode_metadata({"keys": list(state), "step": step}),
         )
         for part in protocol.stream_response(response):
             yield part
@@ -534,10 +535,15 @@ class StageServer(ServicerBase):
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A copy of the stage's current state (stage-local keys), taken between two requests, with the last
         optimizer step in it."""
+        return self.state_and_step()[0]
+
+    def state_and_step(self) -> tuple[dict[str, torch.Tensor], Optional[int]]:
+        """:meth:`state_dict`, and the optimizer step (epoch) that state is at (None: no optimizer here)."""
         with self.lock:
             if self.refresh_parameters is not None:
                 self.refresh_parameters(True)
-            return {k: t.detach().cpu().clone() for k, t in self.module.state_dict().items()}
+            step = (self.describe() if self.describe is not None else {}).get("epoch")
+            return {k: t.detach().cpu().clone() for k, t in self.module.state_dict().items()}, step
 
     def shutdown(self) -> None:
         """Stop the worker; requests still queued are answered with an error."""

@@ -1,0 +1,104 @@
+"""The project's log lines: stamped with the time, level and caller as hivemind stamps its own, repeated waiting
+lines printed at most once a period, and hivemind's known noise in a healthy swarm kept quiet."""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import threading
+import time
+from typing import Hashable
+
+from hivemind.utils.logging import CustomFormatter
+
+ROOT_LOGGER = "lightning_swarm"
+
+
+class _UnlessConfigured(logging.StreamHandler):
+    """Prints to stderr only while the application configured no root handler (which then prints the lines)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+def use_swarm_log_handler() -> None:
+    """Give the ``lightning_swarm`` loggers a handler that prints warnings and errors as hivemind's lines are
+    printed (``Nov 23 13:14:05.123 [WARNING] [caller] message``) instead of Python's bare last-resort line. Once per
+    process; lines still propagate to the application's handlers, which print them alone once it has some."""
+    logger = logging.getLogger(ROOT_LOGGER)
+    if any(isinstance(h, _UnlessConfigured) for h in logger.handlers):
+        return
+    handler = _UnlessConfigured()
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(
+        CustomFormatter(
+            fmt="{asctime}.{msecs:03.0f} [{bold}{levelcolor}{levelname}{reset}]{caller_block} {message}",
+            style="{",
+            datefmt="%b %d %H:%M:%S",
+        )
+    )
+    logger.addHandler(handler)
+
+
+class _HivemindNoise(logging.Filter):
+    """Keeps hivemind's known noise of a healthy swarm out of the logs (each case is a normal event there):
+
+    - an all-reduce round that found no group is logged at ERROR with a traceback; the peer then steps with its own
+      gradients and catches up with the others later: demoted to one INFO line, without the traceback;
+    - a round whose step was cancelled (its peer caught up by downloading the state) that then finishes: hivemind
+      catches asyncio's ``InvalidStateError`` but not the one its futures raise, and asyncio reports "Task
+      exception was never retrieved" with a traceback: dropped;
+    - when an averager process stops, asyncio reports its matchmaking tasks as "destroyed but pending" (and, at
+      interpreter exit, the tasks of any background loop), and hivemind the ``GeneratorExit`` of cancelling them:
+      dropped.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        message = record.getMessage()
+        if error is not None and "could not find a group" in str(error):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args, record.exc_info, record.exc_text = f"All-reduce round: {error}", (), None, None
+            return logging.getLogger(record.name).isEnabledFor(logging.INFO)
+        if type(error).__name__ == "InvalidStateError" and "CANCELLED" in str(error) and "Averager" in message:
+            return False
+        if message.startswith("Task was destroyed but it is pending") and (
+            "hivemind" in message or sys.is_finalizing()
+        ):
+            return False  # hivemind's tasks, or any background loop's at interpreter exit
+        return not (isinstance(error, GeneratorExit) and "hivemind" in message)
+
+
+HIVEMIND_NOISE_LOGGERS = (
+    "hivemind.averaging.averager",
+    "hivemind.optim.optimizer",
+    "hivemind.utils.asyncio",
+    "asyncio",
+)
+
+
+def quiet_hivemind_noise() -> None:
+    """Install the :class:`_HivemindNoise` filter (once per process; processes forked later inherit it)."""
+    for name in HIVEMIND_NOISE_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _HivemindNoise) for f in logger.filters):
+            logger.addFilter(_HivemindNoise())
+
+
+class RateLimit:
+    """Whether a repeated line is due: at most once per ``period`` seconds for each key (thread-safe)."""
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+        self._last: dict[Hashable, float] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, key: Hashable = None) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(key, -math.inf) < self.period:
+                return False
+            self._last[key] = now
+            return True

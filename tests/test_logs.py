@@ -1,0 +1,77 @@
+"""The package's log lines: timestamped like hivemind's, and hivemind's known noise of a healthy swarm kept out."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+from hivemind.averaging.partition import AllreduceException
+
+import lightning_swarm  # noqa: F401  (installs the handler and the filters)
+from lightning_swarm.logs import HIVEMIND_NOISE_LOGGERS, RateLimit
+
+
+class Captured(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def captured():
+    handler = Captured()
+    loggers = [logging.getLogger(name) for name in HIVEMIND_NOISE_LOGGERS]
+    for logger in loggers:
+        logger.addHandler(handler)
+    yield handler
+    for logger in loggers:
+        logger.removeHandler(handler)
+
+
+def test_hivemind_noise_of_a_healthy_swarm_is_kept_out_of_the_logs(captured, monkeypatch):
+    """What hivemind and asyncio print in a healthy swarm (rounds without a group, a cancelled round finishing,
+    averager tasks destroyed at shutdown) prints no traceback; other errors print as before. A round without a
+    group is an INFO line (hidden at the WARNING level of a swarm's peers)."""
+    for name in ("hivemind.averaging.averager", "hivemind.optim.optimizer"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.WARNING)
+    for name in ("hivemind.averaging.averager", "hivemind.optim.optimizer"):  # as hivemind logs them
+        try:
+            raise AllreduceException("Averaging step failed: could not find a group")
+        except AllreduceException as e:
+            logging.getLogger(name).exception(e)
+    asyncio_logger = logging.getLogger("asyncio")
+    cancelled = concurrent.futures.InvalidStateError("Can't set_result to a future that is CANCELLED (123)")
+    asyncio_logger.error(
+        "Task exception was never retrieved\nfuture: <Task finished coro=<DecentralizedAverager._step() done>>",
+        exc_info=(type(cancelled), cancelled, None),
+    )
+    asyncio_logger.error(
+        "Task was destroyed but it is pending!\ntask: <Task cancelling coro=<Matchmaking._request_join_potential_"
+        "leaders() running at /site-packages/hivemind/averaging/matchmaking.py:152>>"
+    )
+    assert not captured.records  # all kept out
+    asyncio_logger.error("Task exception was never retrieved", exc_info=(ValueError, ValueError("mine"), None))
+    assert [r.getMessage() for r in captured.records] == ["Task exception was never retrieved"]
+
+
+def test_package_lines_carry_a_timestamp_and_repeated_lines_are_rate_limited():
+    script = "import logging, lightning_swarm; logging.getLogger('lightning_swarm.strategy').warning('hello')"
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT)},
+    )
+    assert re.search(r"^\w{3} [ \d]\d \d\d:\d\d:\d\d\.\d{3} \[.*WARN.*\].* hello$", result.stderr, re.M), result.stderr
+    due = RateLimit(60.0)
+    assert [due("stage 1"), due("stage 1"), due("stage 2")] == [True, False, True]
