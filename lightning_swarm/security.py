@@ -40,16 +40,14 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.auth import AuthorizerBase
 
+from lightning_swarm.errors import PeerNotAllowedError
+
 log = logging.getLogger(__name__)
 
 AUTH_FIELD = "auth"  # the request metadata field that carries the secret's token
 _MAC_MARK = b"[swarm-mac:"
 _MAC_SUFFIX_LEN = len(_MAC_MARK) + 64 + 1  # mark, hex SHA-256, "]"
 _REFUSAL_LOG_PERIOD = 60.0  # seconds between two log lines about the same refused peer
-
-
-class PeerNotAllowedError(PermissionError):
-    """A peer off the allow-list, or without the swarm's secret, called this peer."""
 
 
 def peer_id_of(identity_path: str) -> str:

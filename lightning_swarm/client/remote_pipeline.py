@@ -7,7 +7,10 @@ on the caller: if that peer died or dropped the graph, the input goes with the g
 which recomputes the stage's forward from it.
 
 Activations and gradients are encoded once, where they are made: a stage's reply goes on to the next stage as it
-came, compressed, and only the pipeline's output and input gradient are decoded here.
+came, compressed, and only the pipeline's output and input gradient are kept decoded here. Every reply is checked
+first (:class:`~lightning_swarm.client.routing.ReplyCheck`): a forward's output has the microbatch's samples and
+finite values, a backward's input gradient the stage input's shape and dtype; a peer that answers otherwise is
+banned and the microbatch goes to another peer of the stage.
 
 A batch is split into equal microbatches that travel through the stages concurrently (each on its own route), so
 that one trainer keeps several stages busy at once and their transfers overlap other microbatches' compute: by
@@ -29,8 +32,8 @@ from hivemind.proto import runtime_pb2
 from torch import nn
 
 from lightning_swarm import compression
-from lightning_swarm.client.routing import StageRouter
-from lightning_swarm.errors import ActivationsLostError, SwarmRequestError
+from lightning_swarm.client.routing import ReplyCheck, StageRouter
+from lightning_swarm.errors import CALLERS_FAULT, ActivationsLostError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -144,7 +147,7 @@ class RemotePipeline(nn.Module):
         for stage in range(self.num_stages):
             key = uuid.uuid4().hex if keep else None
             route.inputs.append(hidden)
-            hidden, peer = self._call(stage, "forward", [hidden], keep=key)
+            hidden, peer = self._call(stage, "forward", [hidden], ReplyCheck(int(hidden.size[0])), keep=key)
             route.peers.append(peer)
             route.keys.append(key)
         return compression.deserialize(hidden), route
@@ -163,11 +166,13 @@ class RemotePipeline(nn.Module):
         """Backward on the peer that kept the forward; else recompute on a peer of the stage from the input."""
         peer, failed = route.peers[stage], None
         scaled = {} if loss_scale is None else {"loss_scale": loss_scale}
+        inputs = route.inputs[stage]  # the input gradient must be shaped like it; NaN reports an overflow
+        check = ReplyCheck(int(inputs.size[0]), inputs.size, compression.decoded_dtype(inputs), loss_scale is None)
         if route.keys[stage] is not None:
             try:
                 kept = route.keys[stage]
-                return self._call(stage, "backward", [grad], prefer=peer, failover=False, kept=kept, **scaled)[0]
-            except SwarmRequestError:
+                return self._call(stage, "backward", [grad], check, prefer=peer, failover=False, kept=kept, **scaled)[0]
+            except CALLERS_FAULT:
                 raise
             except ActivationsLostError:
                 pass  # that peer is alive but dropped the graph: let it recompute
@@ -175,7 +180,7 @@ class RemotePipeline(nn.Module):
                 log.warning("Stage %d: backward on %s failed (%r): recomputing on another peer", stage, peer, e)
                 peer, failed = None, e
             self.router.stats.recomputed += 1
-        grad, retried_on = self._call(stage, "backward", [route.inputs[stage], grad], prefer=peer, **scaled)
+        grad, retried_on = self._call(stage, "backward", [inputs, grad], check, prefer=peer, **scaled)
         if failed is not None:
             self.router.failed_over(stage, "backward", route.peers[stage], retried_on, failed)
         return grad
@@ -185,18 +190,20 @@ class RemotePipeline(nn.Module):
         stage: int,
         method: str,
         messages: list[runtime_pb2.Tensor],
+        check: ReplyCheck,
         prefer: Optional[str] = None,
         failover: bool = True,
         **metadata: Union[str, float, None],
     ) -> tuple[runtime_pb2.Tensor, str]:
-        """Call ``method`` of ``stage`` (only on ``prefer`` without failover); the reply as it came."""
+        """Call ``method`` of ``stage`` (only on ``prefer`` without failover); the reply as it came, once ``check``
+        passed it."""
         self.router.stats.raw_bytes_sent += sum(compression.raw_nbytes(m) for m in messages)
         metadata = {"codec": self.codec, "train": self.training, **metadata}
         batch = int(messages[0].size[0]) if messages[0].size else 1
         if failover:
-            reply, peer = self.router.call(stage, method, messages, metadata, batch, prefer=prefer)
+            reply, peer = self.router.call(stage, method, messages, metadata, batch, prefer=prefer, check=check)
         else:
-            reply, peer = self.router.call_peer(stage, prefer, method, messages, metadata, batch), prefer
+            reply, peer = self.router.call_peer(stage, prefer, method, messages, metadata, batch, check), prefer
         return reply[0], peer
 
 
