@@ -8,9 +8,10 @@ which recomputes the stage's forward from it.
 
 Activations and gradients are encoded once, where they are made: a stage's reply goes on to the next stage as it
 came, compressed, and only the pipeline's output and input gradient are kept decoded here. Every reply is checked
-first (:class:`~lightning_swarm.client.routing.ReplyCheck`): a forward's output has the microbatch's samples and
-finite values, a backward's input gradient the stage input's shape and dtype; a peer that answers otherwise is
-banned and the microbatch goes to another peer of the stage.
+first (:class:`~lightning_swarm.client.routing.ReplyCheck`): a forward's output has the microbatch's samples, finite
+values, and the shape per sample and dtype of the stage's first output (learned); a backward's input gradient has
+the stage input's shape and dtype. A peer that answers otherwise is banned and the microbatch goes to another peer.
+
 
 A batch is split into equal microbatches that travel through the stages concurrently (each on its own route), so
 that one trainer keeps several stages busy at once and their transfers overlap other microbatches' compute: by
@@ -98,6 +99,8 @@ class RemotePipeline(nn.Module):
         super().__init__()
         self.router, self.microbatches, self.loss_scale = router, check_microbatches(microbatches), loss_scale
         self.codec = compression.check_codec(codec)
+        # each stage's output: its shape per sample and its dtype, learned from the first reply
+        self._outputs: list[Optional[tuple[list[int], torch.dtype]]] = [None] * router.num_stages
         # the count is resolved per batch; the pool starts threads only as microbatches need them
         most = AUTO_MICROBATCHES_PER_STAGE * router.num_stages if self.microbatches == "auto" else self.microbatches
         self._pool = ThreadPoolExecutor(most, "swarm-microbatch") if most > 1 else None
@@ -147,7 +150,11 @@ class RemotePipeline(nn.Module):
         for stage in range(self.num_stages):
             key = uuid.uuid4().hex if keep else None
             route.inputs.append(hidden)
-            hidden, peer = self._call(stage, "forward", [hidden], ReplyCheck(int(hidden.size[0])), keep=key)
+            batch, learned = int(hidden.size[0]), self._outputs[stage]
+            check = ReplyCheck(batch) if learned is None else ReplyCheck(batch, [batch, *learned[0]], learned[1])
+            hidden, peer = self._call(stage, "forward", [hidden], check, keep=key)
+            self._outputs[stage] = learned or (list(hidden.size[1:]), compression.decoded_dtype(hidden))
+
             route.peers.append(peer)
             route.keys.append(key)
         return compression.deserialize(hidden), route
