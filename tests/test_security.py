@@ -201,7 +201,6 @@ def test_the_guard_is_scoped_to_its_node(tmp_path):
             assert anyone.dht_store("open", "x", 1, ttl=30) and open_node.dht_get("open") == {"x": 1}
             anyone.shutdown()
         finally:
-
             open_node.shutdown()
     finally:
         member.shutdown()

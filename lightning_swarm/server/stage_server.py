@@ -304,11 +304,15 @@ class StageServer(ServicerBase):
         self.policy.check_request(self.run_id, context, metadata if isinstance(metadata, dict) else {})
 
     def _check_shapes(self, messages: Sequence[runtime_pb2.Tensor], has_input: bool) -> None:
-        """Refuse, from the tensors' headers alone, a request whose tensors claim no or too many samples, or whose
-        input (the first tensor, ``has_input``) does not match the stage's input signature."""
+        """Refuse, from the tensors' headers alone, a request whose tensors claim no samples, too many, or more bytes
+        than the cap, or whose input (the first tensor, ``has_input``) does not match the stage's input signature."""
         for message in messages:
             if not message.size:
                 raise SwarmRequestError("a tensor without a batch dimension")
+            if math.prod(message.size) * max(d.itemsize for d in self.activation_dtypes) > self.max_request_bytes:
+                raise SwarmRequestError(
+                    f"tensor of shape {list(message.size)} exceeds the cap of {self.max_request_bytes} bytes"
+                )
             if message.size[0] > self.max_request_samples:
                 raise SwarmRequestError(
                     f"a request may claim at most {self.max_request_samples} samples (max_request_samples), this one "
@@ -348,11 +352,6 @@ class StageServer(ServicerBase):
         return float(scale)
 
     def _decode(self, message: runtime_pb2.Tensor, finite: bool = True) -> torch.Tensor:
-        numel = math.prod(message.size)
-        if numel * max(d.itemsize for d in self.activation_dtypes) > self.max_request_bytes:
-            raise SwarmRequestError(
-                f"tensor of shape {list(message.size)} exceeds the cap of {self.max_request_bytes} bytes"
-            )
         try:
             tensor = compression.deserialize(message, device=self.device)
         except Exception as e:
