@@ -7,7 +7,8 @@ each kept by the server and never followed by its backward, each sent again as s
 runs at the lowest CPU priority: on a swarm it would compute on its own machine, while here all processes share
 this machine's cores (the stage server's work for it is not discounted). Runs take turns (alone, flooded, alone,
 ...) for ``--pairs`` pairs; the figure is the trainer's steady-state steps per second beside the flooder over alone
-(median over pairs; target: at least 0.8).
+(median over pairs; target: at least 0.8). With ``--pin`` the stage server (and the flooder) run on one core and
+the trainer on another, as on separate machines; without it, every process shares every core.
 
     python benchmarks/flooding.py                 # prints the table; raw figures in benchmarks/results/flooding.json
     python benchmarks/flooding.py --pairs 1 --steps 20   # a short check that the script works
@@ -17,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Iterator, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -56,11 +59,27 @@ def steady_rate(times: list[float], skip: int = 5) -> float:
     return (len(times) - 1 - skip) / (times[-1] - times[skip])
 
 
-def measure(pairs: int, steps: int, threads: int, queue: int, workdir: Path) -> dict:
+@contextmanager
+def pinned(cpus: Optional[set[int]]) -> Iterator[None]:
+    """Processes started inside run on ``cpus`` only (they inherit this process's affinity); None: anywhere."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def measure(pairs: int, steps: int, threads: int, queue: int, pin: bool, workdir: Path) -> dict:
     env = {**ENV, "SWARM_MAX_QUEUE": str(queue)}
+    server_cpus, trainer_cpus = ({0}, {1}) if pin else (None, None)
     runs: list[dict] = []
     with LocalSwarm([GPT], workdir, run_id="flooding", env=env) as swarm:
-        server = swarm.start("server", MODEL, env={"SWARM_ROLE": "serve", "SWARM_STAGE": "0"})
+        with pinned(server_cpus):
+            server = swarm.start("server", MODEL, env={"SWARM_ROLE": "serve", "SWARM_STAGE": "0"})
         node = SwarmNode(initial_peers=server.addresses()).start()
         try:
             wait_until_serving(RawClient(node, server.addresses()[0], "flooding"), server)
@@ -72,8 +91,9 @@ def measure(pairs: int, steps: int, threads: int, queue: int, workdir: Path) -> 
             args = [*MODEL, "--max-steps", str(steps), "--history", str(record)]
             start = time.monotonic()
             flooder = FloodingPeer(server.addresses()[0], "flooding", (4, 32, 32), threads) if flooded else None
-            with flooder or nullcontext():
-                swarm.start(name, args, env={"SWARM_ROLE": "drive"})
+            with pinned(server_cpus), flooder or nullcontext():
+                with pinned(trainer_cpus):
+                    swarm.start(name, args, env={"SWARM_ROLE": "drive"})
                 code = swarm.wait(name, timeout=600)
             history = json.loads(record.read_text())
             assert code == 0 and history["steps"] == steps, swarm.peers[name].log()[-3000:]
@@ -97,9 +117,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--threads", type=int, default=16, help="the flooder's requests in flight")
     parser.add_argument("--queue", type=int, default=8, help="the stage server's max_queue")
+    parser.add_argument("--pin", action="store_true", help="the server on CPU 0, the trainer on CPU 1")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        result = measure(args.pairs, args.steps, args.threads, args.queue, Path(tmp))
+        result = measure(args.pairs, args.steps, args.threads, args.queue, args.pin, Path(tmp))
     rows = []
     for alone, flooded, ratio in zip(result["runs"][::2], result["runs"][1::2], result["ratios"]):
         outcomes = flooded["flooder"]
@@ -114,10 +135,11 @@ def main() -> None:
             ]
         )
     header = ["alone (steps/s)", "beside the flooder (steps/s)", "ratio", "flooder's requests/s", "recomputed"]
-    print(f"\n{machine()}; {args.threads} flooding threads, queue {args.queue}, {args.steps} steps per run\n")
+    where = "server and flooder on CPU 0, trainer on CPU 1" if args.pin else "all processes on all cores"
+    print(f"\n{machine()}; {args.threads} flooding threads, queue {args.queue}, {args.steps} steps a run; {where}\n")
     print("\n".join(table(header, rows)))
     print(f"\nMedian ratio: {result['median_ratio']:.2f}")
-    save_data("flooding", dict(vars(args), machine=machine(), **result))
+    save_data("flooding_pinned" if args.pin else "flooding", dict(vars(args), machine=machine(), **result))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,11 @@ bounded by a timeout, so that replies and refusals are seen exactly as the serve
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
+import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -168,34 +171,41 @@ class FloodingPeer:
     floods. Floods while the ``with`` block runs; ``outcomes`` holds its counts afterwards."""
 
     def __init__(self, address: str, run_id: str, shape: tuple[int, ...], threads: int = 16) -> None:
-        context = mp.get_context("spawn")  # not forked from a process that runs a node's threads
-        self._stop, self._results = context.Event(), context.Queue()
-        args = (address, run_id, shape, threads, self._stop, self._results)
-        self._process = context.Process(target=_flood, args=args, daemon=True)
+        self.command = [sys.executable, __file__, address, run_id, str(threads), *map(str, shape)]
         self.outcomes: dict = {}
 
     def __enter__(self) -> FloodingPeer:
-        self._process.start()
-        assert self._results.get(timeout=120) == "flooding", "the flooding peer did not start"
+        self._process = subprocess.Popen(self.command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        if self._process.stdout.readline().strip() != "flooding":  # it prints that once it floods, or dies
+            self.__exit__()
+            raise RuntimeError("the flooding peer did not start")
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
+        self._process.send_signal(signal.SIGTERM)
         try:
-            self.outcomes = self._results.get(timeout=TIMEOUT + 30)
+            out, _ = self._process.communicate(timeout=TIMEOUT + 30)
+            self.outcomes = json.loads(out.splitlines()[-1]) if out.strip() else {}
         finally:
-            self._process.join(timeout=30)
-            if self._process.is_alive():
-                self._process.kill()
+            if self._process.poll() is None:
+                os.killpg(self._process.pid, signal.SIGKILL)  # with its node's daemons
+                self._process.wait()
 
 
-def _flood(address: str, run_id: str, shape: tuple, threads: int, stop, results) -> None:
+def _flood_until_terminated(address: str, run_id: str, threads: str, *shape: str) -> None:
+    """A flooding peer's process (see :class:`FloodingPeer`): its counts, as JSON, are its last line."""
     os.nice(19)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     node = SwarmNode(initial_peers=[address]).start()
     try:
-        with Flooder(RawClient(node, address, run_id), torch.randn(*shape), threads) as flooder:
-            results.put("flooding")
+        with Flooder(RawClient(node, address, run_id), torch.randn(*map(int, shape)), int(threads)) as flooder:
+            print("flooding", flush=True)
             stop.wait()
-        results.put(dict(flooder.outcomes))
+        print(json.dumps(flooder.outcomes), flush=True)
     finally:
         node.shutdown()
+
+
+if __name__ == "__main__":
+    _flood_until_terminated(*sys.argv[1:])
