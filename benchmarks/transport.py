@@ -138,7 +138,7 @@ class EchoServicer(ServicerBase):
     async def rpc_echo_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        request = await protocol.gather_request(requests, 2**40)
+        request = await protocol.gather_request(requests, 2**40, lambda metadata: None)
         for part in protocol.stream_response(runtime_pb2.ExpertResponse(tensors=request.tensors)):
             yield part
 

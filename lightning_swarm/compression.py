@@ -133,7 +133,12 @@ def deserialize(
 
 def raw_nbytes(message: runtime_pb2.Tensor) -> int:
     """The bytes of the tensor a message carries, uncompressed."""
-    return math.prod(message.size) * _dtype(message.dtype.removesuffix(EIGHT_BIT_TAG)).itemsize
+    return math.prod(message.size) * decoded_dtype(message).itemsize
+
+
+def decoded_dtype(message: runtime_pb2.Tensor) -> torch.dtype:
+    """The dtype of the tensor a message carries, from its header (``ValueError`` if it names none)."""
+    return _dtype(message.dtype.removesuffix(EIGHT_BIT_TAG))
 
 
 def error_bound(tensor: torch.Tensor, codec: str) -> torch.Tensor:

@@ -1,12 +1,33 @@
-"""Errors a swarm reports to its users."""
+"""Errors a swarm reports to its users, and who is at fault for each: the one place that decides whether a failed
+call is the caller's (it raises) or a peer's (the work goes to another peer, or waits)."""
+
+from __future__ import annotations
+
+from typing import Optional
 
 
 class SwarmRequestError(ValueError):
-    """A stage server refused a request as malformed: retrying it on another peer cannot help."""
+    """A stage server refused a request as malformed (bad shape, dtype, size, metadata): the caller got it wrong,
+    and retrying it on another peer cannot help."""
+
+
+class PeerNotAllowedError(PermissionError):
+    """A peer off the allow-list, or without the swarm's secret, called this peer."""
 
 
 class StageBusyError(RuntimeError):
-    """A stage server's request queue is full; the caller should send the work to another peer."""
+    """A stage server's request queue is full, or it ran out of memory; the caller should send the work to another
+    peer, or wait."""
+
+
+class StageFailedError(RuntimeError):
+    """A stage server failed a well-formed request on its own side (its module or worker failed): the caller sends
+    the work to another peer."""
+
+
+class BadReplyError(RuntimeError):
+    """A stage peer answered with a malformed reply (wrong shape, dtype or size, NaN or Inf): the caller bans the
+    peer and sends the work to another."""
 
 
 class StageUnavailableError(RuntimeError):
@@ -14,8 +35,8 @@ class StageUnavailableError(RuntimeError):
 
 
 class NotServingError(RuntimeError):
-    """The peer does not serve the requested stage of the run (it moved to another stage, or is leaving): the
-    caller sends the work to another peer of the stage."""
+    """The peer does not serve the requested stage of the run (it moved to another stage, is leaving, or is not
+    ready yet): the caller sends the work to another peer of the stage."""
 
 
 class JoinError(RuntimeError):
@@ -37,3 +58,31 @@ def failure_line(exception: BaseException) -> str:
     if isinstance(exception, KeyboardInterrupt):
         return "Training interrupted: leaving the swarm now"
     return f"Training failed, leaving the swarm now: {type(exception).__name__}: {exception}"
+
+
+# what a stage server sends back by name (libp2p and the direct path alike), and callers raise again by that name
+WIRE_ERRORS: dict[str, type[Exception]] = {
+    kind.__name__: kind
+    for kind in (
+        SwarmRequestError,
+        PeerNotAllowedError,
+        StageBusyError,
+        StageFailedError,
+        ActivationsLostError,
+        NotServingError,
+    )
+}
+
+
+# a failed call that was the caller's own fault, which it raises: a refused request or a refused caller. Any other
+# failure is the peer's (crashed, overloaded, stale, not ready, a bad reply), and the work fails over or waits.
+CALLERS_FAULT: tuple[type[Exception], ...] = (SwarmRequestError, PeerNotAllowedError)
+
+
+def from_wire(message: str) -> Optional[Exception]:
+    """The swarm error named at the start of a remote error ``message`` (``"Kind: ..."`` or ``"Kind('...')"``), or
+    None when it names none (then it is the peer's failure)."""
+    for name, kind in WIRE_ERRORS.items():
+        if message.startswith(name) or f" {name}(" in message or f" {name}:" in message:
+            return kind(message)
+    return None

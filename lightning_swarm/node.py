@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
 from typing import Any, Awaitable, Optional, Sequence, TypeVar
 
@@ -49,6 +51,8 @@ class SwarmNode:
         self.dht: Optional[DHT] = None
         self.p2p: Optional[P2P] = None
         self.daemon_pid: Optional[int] = None  # the p2pd the DHT process started
+        self._guarded_id: Optional[str] = None  # our peer id, while the allow-list guards its forked processes
+        self._identity_dir: Optional[str] = None  # a temporary identity's, when the guard needs one
         self._stored_until: dict[tuple[str, str], float] = {}  # DHT time each record stored here expires
 
     def start(self, attempts: int = 3) -> SwarmNode:
@@ -87,9 +91,12 @@ class SwarmNode:
 
     def _create_dht(self) -> DHT:
         loopback_only = all(m.startswith("/ip4/127.") for m in self.host_maddrs)
-        validators, authorizer = [], None
+        validators, authorizer, identity_path = [], None, self.identity_path
         if self.policy is not None:
-            security.install_guard(self.policy)  # before the DHT process forks: it inherits the guard
+            if self.policy.allowed is not None:  # the guard needs our peer id before the DHT process forks
+                identity_path = identity_path or self._temporary_identity()
+                self._guarded_id = security.peer_id_of(identity_path)
+                security.install_guard(self.policy, self._guarded_id)
             if self.policy.key is not None:
                 validators.append(security.SecretRecordValidator(self.policy.key))
                 authorizer = security.SecretAuthorizer(self.policy.key)
@@ -99,7 +106,7 @@ class SwarmNode:
             initial_peers=self.initial_peers or None,
             host_maddrs=self.host_maddrs,
             announce_maddrs=self.announce_maddrs or None,
-            identity_path=self.identity_path,
+            identity_path=identity_path,
             startup_timeout=self.timeout,
             # never probe routers or public services (UPnP multicast, AutoNAT) unless we listen beyond loopback
             nat_port_map=False,
@@ -114,6 +121,14 @@ class SwarmNode:
                 dht.terminate()
             raise
         return dht
+
+    def _temporary_identity(self) -> str:
+        """A fresh identity file for this node's run (removed at shutdown)."""
+        if self._identity_dir is None:
+            self._identity_dir = tempfile.mkdtemp(prefix="swarm-identity-")
+        path = os.path.join(self._identity_dir, "identity.key")
+        security.create_identity(path)
+        return path
 
     @property
     def peer_id(self) -> PeerID:
@@ -165,8 +180,12 @@ class SwarmNode:
             self.dht = None
         kill_daemon(self.daemon_pid)  # a DHT process terminated "the hard way" leaves its p2pd running
         self.daemon_pid = None
-        if self.policy is not None and self.policy.allowed is not None:
-            security.remove_guard()  # this process may later join another swarm, or none
+        if self._guarded_id is not None:
+            security.remove_guard(self._guarded_id)  # this process may later join another swarm, or none
+            self._guarded_id = None
+        if self._identity_dir is not None:
+            shutil.rmtree(self._identity_dir, ignore_errors=True)
+            self._identity_dir = None
 
 
 def daemon_reason(error: BaseException) -> str:

@@ -6,7 +6,7 @@ Requests and replies above hivemind's unary payload limit travel as streams of c
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Iterable, Sequence
+from typing import AsyncIterator, Callable, Iterable, Sequence
 
 from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE, MAX_UNARY_PAYLOAD_SIZE
 from hivemind.proto import runtime_pb2
@@ -79,14 +79,19 @@ async def call(
 
 
 async def gather_request(
-    requests: AsyncIterator[runtime_pb2.ExpertRequest], max_bytes: int
+    requests: AsyncIterator[runtime_pb2.ExpertRequest], max_bytes: int, check: Callable[[bytes], None]
 ) -> runtime_pb2.ExpertRequest:
-    """Server side: collect a streamed request into one message, refusing more than ``max_bytes`` of tensors."""
+    """Server side: collect a streamed request into one message, refusing more than ``max_bytes`` of tensors.
+    ``check`` vets the caller on the first message's metadata (its token) before any more is read: a caller it
+    refuses costs one message. The request's metadata is the first message's."""
     uid, metadata, parts, size = None, b"", [], 0
     async for request in requests:
-        if uid is not None and request.uid != uid:
+        if uid is None:
+            check(request.metadata)
+            metadata = request.metadata
+        elif request.uid != uid:
             raise SwarmRequestError("one streamed request named several stages")
-        uid, metadata = request.uid, metadata or request.metadata
+        uid = request.uid
         size += payload_bytes(request.tensors)
         if size > max_bytes:
             async for request in requests:  # closing the stream while the caller still writes loses the error
@@ -95,6 +100,8 @@ async def gather_request(
                     break
             raise SwarmRequestError(f"request exceeds the size cap of {max_bytes} bytes")
         parts.extend(request.tensors)
+    if uid is None:  # an empty stream: the caller is vetted all the same
+        check(metadata)
     return runtime_pb2.ExpertRequest(uid=uid or "", tensors=combine(parts), metadata=metadata)
 
 

@@ -7,10 +7,12 @@ What hivemind 1.1.12 offers, and what this module builds on it:
 - The bundled ``p2pd`` has no private-network (pre-shared key) option (``p2pd -h`` lists no ``-psk``), so a
   shared secret cannot be made a transport-level guarantee: it is checked in the application instead.
 
-**Allow-list** (``allowed_peers``): every RPC handler of this peer's processes (the stage server, the DHT and the
-averagers, which are forked from the process after :func:`install_guard`) refuses callers whose peer id is not on
-the list, before the handler runs. A peer off the list cannot bootstrap into the swarm's DHT, read or write its
-records, send work to a stage, or take part in an all-reduce; its refused calls are logged by the refusing peer.
+**Allow-list** (``allowed_peers``): every RPC handler of this peer refuses callers whose peer id is not on the list,
+before the handler runs: the stage server and the direct path check it themselves, and the handlers that hivemind
+registers for this peer in the processes forked from this one (the DHT, the averagers) are wrapped by
+:func:`install_guard`, which leaves this process, and every other peer id, alone. A peer off the list cannot
+bootstrap into the swarm's DHT, read or write its records, send work to a stage, or take part in an all-reduce; its
+refused calls are logged by the refusing peer.
 
 **Secret** (``secret`` / ``secret_path``): every DHT request and response carries an HMAC of the message, a
 nonce and the time under the secret (:class:`SecretAuthorizer`, hivemind's DHT ``authorizer`` hook), so a node
@@ -40,16 +42,14 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.auth import AuthorizerBase
 
+from lightning_swarm.errors import PeerNotAllowedError
+
 log = logging.getLogger(__name__)
 
 AUTH_FIELD = "auth"  # the request metadata field that carries the secret's token
 _MAC_MARK = b"[swarm-mac:"
 _MAC_SUFFIX_LEN = len(_MAC_MARK) + 64 + 1  # mark, hex SHA-256, "]"
 _REFUSAL_LOG_PERIOD = 60.0  # seconds between two log lines about the same refused peer
-
-
-class PeerNotAllowedError(PermissionError):
-    """A peer off the allow-list, or without the swarm's secret, called this peer."""
 
 
 def peer_id_of(identity_path: str) -> str:
@@ -152,36 +152,49 @@ def _base58(peer: Union[str, PeerID]) -> str:
     return peer.to_base58() if isinstance(peer, PeerID) else str(peer)
 
 
-# ---- the allow-list on every RPC handler of this process and the processes it forks ------------------------------
+# ---- the allow-list on the handlers hivemind registers for our peer in the processes forked from this one ---------
 
-_guard_policy: Optional[AccessPolicy] = None
+_guards: dict[str, AccessPolicy] = {}  # peer id (base58) -> the policy its handlers apply
 _original_add_protobuf_handler = P2P.add_protobuf_handler
+_fork_hook_registered = False
 
 
-def install_guard(policy: AccessPolicy) -> None:
-    """Make every hivemind RPC handler registered from now on in this process (and in processes forked from it:
-    the DHT, the averagers) refuse callers off ``policy``'s allow-list. Call it before the DHT starts."""
-    global _guard_policy
+def install_guard(policy: AccessPolicy, peer_id: str) -> None:
+    """Make every hivemind RPC handler that the peer ``peer_id`` registers in processes forked from this one from
+    now on (its DHT, its averagers) refuse callers off ``policy``'s allow-list. Call it before the DHT starts.
+
+    This process is left alone (its handlers, the stage server's and the direct path's, check the policy
+    themselves), and so are the handlers of every other peer id, in this process and in the forked ones."""
+    global _fork_hook_registered
     if policy.allowed is None:
         return
-    _guard_policy = policy
-    P2P.add_protobuf_handler = _guarded_add_protobuf_handler
+    _guards[peer_id] = policy
+    if not _fork_hook_registered:
+        os.register_at_fork(after_in_child=_guard_forked_process)
+        _fork_hook_registered = True
 
 
-def remove_guard() -> None:
-    """Undo :func:`install_guard` for handlers called from now on (processes already forked keep theirs)."""
-    global _guard_policy
-    _guard_policy = None
+def remove_guard(peer_id: str) -> None:
+    """Undo :func:`install_guard` for processes forked from now on (those already forked keep theirs)."""
+    _guards.pop(peer_id, None)
+
+
+def _guard_forked_process() -> None:
+    """In a process just forked while a peer is guarded: hivemind's handlers of that peer registered in it go through
+    the guard (the process belongs to one of our peer's DHT or averagers; other peer ids pass unchanged)."""
+    if _guards:
+        P2P.add_protobuf_handler = _guarded_add_protobuf_handler
 
 
 async def _guarded_add_protobuf_handler(self: P2P, name: str, handler: Any, *args: Any, **kwargs: Any) -> None:
-    await _original_add_protobuf_handler(self, name, _guarded(name, handler), *args, **kwargs)
+    policy = _guards.get(self.peer_id.to_base58()) if self.peer_id is not None else None
+    handler = handler if policy is None else _guarded(name, handler, policy)
+    await _original_add_protobuf_handler(self, name, handler, *args, **kwargs)
 
 
-def _guarded(name: str, handler: Any) -> Any:
+def _guarded(name: str, handler: Any, policy: AccessPolicy) -> Any:
     def guarded(request: Any, context: P2PContext) -> Any:
-        policy = _guard_policy
-        if policy is not None and not policy.admits(context.remote_id):
+        if not policy.admits(context.remote_id):
             return _refused(name, context)
         return handler(request, context)
 

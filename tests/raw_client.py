@@ -4,10 +4,17 @@ bounded by a timeout, so that replies and refusals are seen exactly as the serve
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
+import uuid
 
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, iter_as_aiter
 from hivemind.utils.streaming import split_for_streaming
@@ -123,3 +130,82 @@ def wait_until_serving(client: RawClient, peer, timeout: float = 90.0) -> dict:
 
 def bytes_of(state: dict[str, torch.Tensor]) -> dict[str, tuple]:
     return {k: (v.dtype, tuple(v.shape), v.contiguous().numpy().tobytes()) for k, v in state.items()}
+
+
+class Flooder:
+    """A trainer that floods one stage server: ``threads`` training forwards of ``tensor`` at once, each kept by the
+    server (their backward never comes), each sent again as soon as it is answered, served or busy, until the
+    ``with`` block ends. ``outcomes`` counts the answers: served, busy, or another error."""
+
+    def __init__(self, client: RawClient, tensor: torch.Tensor, threads: int = 16) -> None:
+        self.client, self.message = client, wire(tensor)
+        self.outcomes = {"served": 0, "busy": 0, "error": 0}
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._flood, daemon=True) for _ in range(threads)]
+
+    def __enter__(self) -> Flooder:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=TIMEOUT + 10)
+
+    def _flood(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.client.call("forward", [self.message], {**NONE_META, "keep": uuid.uuid4().hex})
+                outcome = "served"
+            except P2PHandlerError as e:
+                outcome = "busy" if "StageBusyError" in str(e) else "error"
+            except Exception:  # a timeout, or the node stopping
+                outcome = "error"
+            self.outcomes[outcome] += 1
+
+
+class FloodingPeer:
+    """A :class:`Flooder` of the stage server at ``address`` in a process (and node) of its own, at the lowest CPU
+    priority: on a swarm it would compute on its own machine, while here it shares the cores with the peers it
+    floods. Floods while the ``with`` block runs; ``outcomes`` holds its counts afterwards."""
+
+    def __init__(self, address: str, run_id: str, shape: tuple[int, ...], threads: int = 16) -> None:
+        self.command = [sys.executable, __file__, address, run_id, str(threads), *map(str, shape)]
+        self.outcomes: dict = {}
+
+    def __enter__(self) -> FloodingPeer:
+        self._process = subprocess.Popen(self.command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        if self._process.stdout.readline().strip() != "flooding":  # it prints that once it floods, or dies
+            self.__exit__()
+            raise RuntimeError("the flooding peer did not start")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._process.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self._process.communicate(timeout=TIMEOUT + 30)
+            self.outcomes = json.loads(out.splitlines()[-1]) if out.strip() else {}
+        finally:
+            if self._process.poll() is None:
+                os.killpg(self._process.pid, signal.SIGKILL)  # with its node's daemons
+                self._process.wait()
+
+
+def _flood_until_terminated(address: str, run_id: str, threads: str, *shape: str) -> None:
+    """A flooding peer's process (see :class:`FloodingPeer`): its counts, as JSON, are its last line."""
+    os.nice(19)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    node = SwarmNode(initial_peers=[address]).start()
+    try:
+        with Flooder(RawClient(node, address, run_id), torch.randn(*map(int, shape)), int(threads)) as flooder:
+            print("flooding", flush=True)
+            stop.wait()
+        print(json.dumps(flooder.outcomes), flush=True)
+    finally:
+        node.shutdown()
+
+
+if __name__ == "__main__":
+    _flood_until_terminated(*sys.argv[1:])

@@ -142,3 +142,23 @@ def test_a_key_put_again_replaces_its_entry_and_its_bytes():
     assert len(kept) == 2 and kept.nbytes == 50
     kept.put("k", Kept(torch.zeros(1), torch.zeros(1), nbytes=2000, params_version=0))  # too big: the key is empty
     assert len(kept) == 1 and kept.nbytes == 25 and kept.pop("k") is None
+
+
+def test_past_the_cap_the_caller_holding_the_most_gives_way():
+    """A caller that keeps forwards without ever sending their backward (a flood) loses its own oldest past the cap;
+    the forwards of a caller that holds less survive, however old."""
+    kept = KeptActivations(max_bytes=1000, ttl=60.0)
+
+    def entry(owner: str) -> Kept:
+        return Kept(torch.zeros(1), torch.zeros(1), nbytes=100, params_version=0, owner=owner)
+
+    for i in range(3):
+        kept.put(("honest", f"h{i}"), entry("honest"))
+    for i in range(50):
+        kept.put(("flooder", f"f{i}"), entry("flooder"))
+    assert [kept.pop(("honest", f"h{i}")) is not None for i in range(3)] == [True] * 3
+    assert kept.owned("flooder") == 700 and kept.nbytes == 700 and kept.dropped == 43
+    assert kept.pop(("flooder", "f42")) is None and kept.pop(("flooder", "f43")) is not None
+    for i in range(10):  # the honest caller now needs more: the flooder still holds the most
+        kept.put(("honest", f"again{i}"), entry("honest"))
+    assert kept.owned("honest") == 500 and kept.owned("flooder") == 500

@@ -220,13 +220,16 @@ class InProcessRouter:
     def __init__(self, servers: list[StageServer]) -> None:
         self.servers, self.num_stages, self.stats = servers, len(servers), RouterStats()
 
-    def call(self, stage, method, messages, metadata, batch, prefer=None):
-        return self.call_peer(stage, "peer", method, messages, metadata, batch), "peer"
+    def call(self, stage, method, messages, metadata, batch, prefer=None, check=None):
+        return self.call_peer(stage, "peer", method, messages, metadata, batch, check), "peer"
 
-    def call_peer(self, stage, peer, method, messages, metadata, batch):
+    def call_peer(self, stage, peer, method, messages, metadata, batch, check=None):
         server = self.servers[stage]
         request = DirectRequest(server.uid, list(messages), protocol.encode_metadata(metadata))
-        return asyncio.run(server.answer_tensors(method, request))
+        reply = asyncio.run(server.answer_tensors(method, request))
+        if check is not None:  # the pipeline's check of the reply, as StageRouter applies it
+            check(reply)
+        return reply
 
 
 @pytest.mark.parametrize("init_scale", [2.0**12, 2.0**40], ids=["in range", "overflowing"])

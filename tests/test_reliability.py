@@ -1,19 +1,32 @@
-"""A stage that loses its last peer: trainers wait for it (and say so), and give up only after stage_wait_timeout."""
+"""A stage that loses its last peer: trainers wait for it (and say so), and give up only after stage_wait_timeout.
+Failures on a peer's side, malformed replies included, send the microbatch to another peer; only the caller's own
+mistakes raise."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import os
 import re
 import signal
 import time
+from typing import Optional
 
 import pytest
+import torch
 from conftest import SMALL_GPT
 from test_swarm import FAST
 
-from lightning_swarm.client.routing import StageRouter
-from lightning_swarm.errors import StageUnavailableError
+from lightning_swarm import compression, protocol
+from lightning_swarm.client.remote_pipeline import RemotePipeline
+from lightning_swarm.client.routing import PeerLoad, StageRouter
+from lightning_swarm.discovery import PeerRecord, PeerState
+from lightning_swarm.errors import WIRE_ERRORS, NotServingError, StageUnavailableError, SwarmRequestError
+from lightning_swarm.server.stage_server import StageServer, stage_uid
+from lightning_swarm.transport import DirectPathError, DirectRequest
+
+CPU = torch.device("cpu")
 
 WAIT_LINE = re.compile(r"Stage 1 of run '[^']+' has no live peer: waiting for one")
 
@@ -137,3 +150,158 @@ def test_failed_trainers_leave_at_once(swarm, tmp_path):
         assert took[name] < timeout + 45, log[-3000:]  # linger is 120 s: never waited out
         assert re.search(r"Training failed, leaving the swarm now: StageUnavailableError: Stage 1", log), log[-3000:]
         assert "Training done: serving on" not in log
+
+
+# ---- in one process: stage servers behind a router, reached as the direct path reaches them ---------------------
+
+
+class InProcessNode:
+    """Stands in for a SwarmNode: runs the router's coroutines to completion in the calling thread."""
+
+    policy = None
+
+    @staticmethod
+    def run(coroutine, timeout=None):
+        return asyncio.run(asyncio.wait_for(coroutine, timeout))
+
+
+class InProcessRouter(StageRouter):
+    """A router over one stage whose peers are in-process stage servers (or fakes of them), called through
+    ``answer_tensors`` as the direct path calls them; their errors travel by name, as on the wire."""
+
+    def __init__(self, peers: dict, first: str = "", **kwargs) -> None:
+        super().__init__(InProcessNode(), "run", 1, refresh_period=float("inf"), **kwargs)
+        self.servers = peers
+        speed = {p: 1e9 if p == first else 1.0 for p in peers}  # ``first`` is all but sure to be chosen first
+        self._peers[0] = {p: PeerLoad(PeerRecord(p, 0, PeerState.SERVING, speed[p], 0)) for p in peers}
+
+    async def _request(self, stage, peer, method, tensors, metadata):
+        request = DirectRequest(stage_uid("run", stage), list(tensors), protocol.encode_metadata(metadata))
+        try:
+            return await self.servers[peer].answer_tensors(method, request, "trainer")
+        except Exception as e:
+            raise WIRE_ERRORS.get(type(e).__name__, DirectPathError)(f"{type(e).__name__}: {e}") from None
+
+    def banned(self, peer: str) -> bool:
+        return self._peers[0][peer].banned_until > time.monotonic()
+
+
+def linear_stage(module: Optional[torch.nn.Module] = None) -> StageServer:
+    """A stage server of ``module`` (default: a seeded linear layer of 8 features) on the CPU."""
+    torch.manual_seed(0)
+    return StageServer("run", 0, module or torch.nn.Linear(8, 8), CPU)
+
+
+class FailsAfterFirst(torch.nn.Linear):
+    """A stage whose module fails on every call after its first (a device fault, a broken kernel)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(8, 8)
+        self.error, self.calls = error, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > 1:
+            raise self.error
+        return super().forward(x)
+
+
+class NotReady:
+    """A peer that does not serve the stage yet (still joining)."""
+
+    async def answer_tensors(self, kind, request, caller):
+        raise NotServingError("this peer serves no stage now")
+
+
+def test_server_faults_fail_over_and_only_the_callers_faults_raise():
+    """Whatever fails on a peer's side (its module, its worker, its memory, or it is not ready) sends the microbatch
+    to another peer of the stage; a request the caller got wrong raises at once, and bans nobody."""
+    healthy = linear_stage()
+    faulty = {
+        "module fails": linear_stage(FailsAfterFirst(RuntimeError("CUDA error: an illegal memory access"))),
+        "out of memory": linear_stage(FailsAfterFirst(torch.OutOfMemoryError("out of memory"))),
+        "worker crashed": linear_stage(),
+        "not ready": NotReady(),
+    }
+    faulty["worker crashed"].shutdown()
+    x = torch.randn(4, 8)
+    expected = healthy.module(x).detach()
+    try:
+        for name, server in faulty.items():
+            if isinstance(server, StageServer) and server._worker.is_alive():
+                asyncio.run(ask_server(server, x))  # served once: the stage's input signature is known
+            router = InProcessRouter({"faulty": server, "healthy": healthy}, first="faulty", stage_wait_timeout=30.0)
+            pipeline = RemotePipeline(router, codec="none", microbatches=1)
+            with torch.no_grad():
+                torch.testing.assert_close(pipeline(x), expected)
+            print(f"  {name}: failed over {router.stats.failovers}x, failed calls {router.stats.failed}")
+            assert router.stats.chosen.get("faulty") and router.stats.failovers == 1, (name, router.stats)
+            assert router.stats.chosen["healthy"] == 1
+
+        router = InProcessRouter({"healthy": healthy})
+        pipeline = RemotePipeline(router, codec="none", microbatches=1)
+        for wrong in (torch.randn(4, 1, 8), torch.randn(4, 9)):  # the caller's fault: raised, nobody banned
+            with torch.no_grad(), pytest.raises(SwarmRequestError, match="input signature"):
+                pipeline(wrong)
+        assert not router.banned("healthy") and router.stats.calls == 2 and not router.stats.failed
+    finally:
+        for server in [healthy, *faulty.values()]:
+            if isinstance(server, StageServer):
+                server.shutdown()
+
+
+async def ask_server(server: StageServer, x: torch.Tensor) -> list:
+    request = DirectRequest(server.uid, [compression.encode(x, "none")], protocol.encode_metadata({"codec": "none"}))
+    return await server.answer_tensors("forward", request)
+
+
+class Liar:
+    """A peer that answers every call with ``reply(request tensors)``, whatever was asked."""
+
+    def __init__(self, reply) -> None:
+        self.reply, self.calls = reply, 0
+
+    async def answer_tensors(self, kind, request, caller):
+        self.calls += 1
+        return self.reply([compression.deserialize(t) for t in request.tensors])
+
+
+GARBAGE = {
+    "NaN": lambda ts: [compression.encode(torch.full_like(ts[-1], math.nan), "none")],
+    "Inf": lambda ts: [compression.encode(ts[-1] / 0, "none")],
+    "wrong shape": lambda ts: [compression.encode(ts[-1][:, :4], "none")],
+    "fewer samples": lambda ts: [compression.encode(ts[-1][:1], "none")],
+    "more samples": lambda ts: [compression.encode(torch.cat([ts[-1]] * 100), "none")],
+    "[N, 1, C]": lambda ts: [compression.encode(ts[-1][:, None, :], "none")],
+    "integers": lambda ts: [compression.encode(ts[-1].long(), "none")],
+    "float64": lambda ts: [compression.encode(ts[-1].double(), "none")],
+    "two tensors": lambda ts: [compression.encode(ts[-1], "none")] * 2,
+    "no tensor": lambda ts: [],
+    "undecodable": lambda ts: [compression.WireTensor(b"\0" * 3, [4, 8], "float32", 0)],
+    "oversized": lambda ts: [compression.WireTensor(b"", [4, 2**40], "float32", 0)],
+}
+
+
+@pytest.mark.parametrize("garbage", list(GARBAGE))
+def test_a_peer_that_answers_garbage_is_banned_and_the_microbatch_fails_over(garbage):
+    """Replies are input too: a forward's output or a backward's input gradient that is malformed (shape, samples,
+    dtype, NaN or Inf, size) bans its peer, and the microbatch goes to another peer: the result is the honest one."""
+    honest, liar = linear_stage(), Liar(GARBAGE[garbage])
+    router = InProcessRouter({"liar": liar, "honest": honest}, first="liar")
+    pipeline = RemotePipeline(router, codec="none", microbatches=1)
+    x = torch.randn(4, 8, requires_grad=True)
+    try:
+        with torch.no_grad():
+            router._peers[0]["liar"].banned_until = math.inf  # a first forward learns the stage's output shape
+            pipeline(x)
+            router._peers[0]["liar"].banned_until = 0.0
+            torch.testing.assert_close(pipeline(x), honest.module(x).detach())
+        assert liar.calls == 1 and router.banned("liar") and router.stats.failed == {"liar": 1}
+        assert router.stats.failovers == 1
+
+        router._peers[0]["liar"].banned_until = 0.0  # the backward goes to the liar again: it lies there too
+        pipeline(x).sum().backward()
+        torch.testing.assert_close(x.grad, honest.module.weight.sum(0).expand(4, 8).detach())
+        assert router.banned("liar") and router.stats.failed == {"liar": 2}
+    finally:
+        honest.shutdown()

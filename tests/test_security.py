@@ -13,7 +13,7 @@ import torch
 from conftest import SMALL_GPT
 from hivemind.dht import DHT
 from hivemind.dht.routing import DHTID
-from hivemind.p2p import P2PHandlerError, PeerID
+from hivemind.p2p import P2P, P2PHandlerError, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 from raw_client import NONE_META, RawClient, wait_until_serving, wire
@@ -183,3 +183,25 @@ def test_the_guard_is_lifted_when_its_node_shuts_down(tmp_path):
         second.shutdown()
     finally:
         first.shutdown()
+
+
+def test_the_guard_is_scoped_to_its_node(tmp_path):
+    """In one process: a node with an allow-list leaves hivemind's P2P class alone, and a node without one started
+    beside it (its DHT process forked while the guard is on) admits anyone, while the guarded node refuses them."""
+    key = str(tmp_path / "member.key")
+    original = P2P.add_protobuf_handler
+    member = SwarmNode(identity_path=key, policy=AccessPolicy.create([create_identity(key)])).start()
+    try:
+        assert P2P.add_protobuf_handler is original
+        with pytest.raises(RuntimeError, match="bootstrap failed"):
+            SwarmNode(member.visible_maddrs()).start(attempts=1)
+        open_node = SwarmNode().start()  # (starting a process reaps the failed one's)
+        try:
+            anyone = SwarmNode(open_node.visible_maddrs()).start()
+            assert anyone.dht_store("open", "x", 1, ttl=30) and open_node.dht_get("open") == {"x": 1}
+            anyone.shutdown()
+        finally:
+            open_node.shutdown()
+    finally:
+        member.shutdown()
+    assert P2P.add_protobuf_handler is original

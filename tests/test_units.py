@@ -434,7 +434,7 @@ class EchoRouter:
     def __init__(self) -> None:
         self.stats, self.lock, self.active, self.most, self.batches = RouterStats(), threading.Lock(), 0, 0, []
 
-    def call(self, stage, method, messages, metadata, batch, prefer=None):
+    def call(self, stage, method, messages, metadata, batch, prefer=None, check=None):
         with self.lock:
             self.active += 1
             self.most = max(self.most, self.active)

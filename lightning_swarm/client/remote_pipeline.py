@@ -7,7 +7,11 @@ on the caller: if that peer died or dropped the graph, the input goes with the g
 which recomputes the stage's forward from it.
 
 Activations and gradients are encoded once, where they are made: a stage's reply goes on to the next stage as it
-came, compressed, and only the pipeline's output and input gradient are decoded here.
+came, compressed, and only the pipeline's output and input gradient are kept decoded here. Every reply is checked
+first (:class:`~lightning_swarm.client.routing.ReplyCheck`): a forward's output has the microbatch's samples, finite
+values, and the shape per sample and dtype of the stage's first output (learned); a backward's input gradient has
+the stage input's shape and dtype. A peer that answers otherwise is banned and the microbatch goes to another peer.
+
 
 A batch is split into equal microbatches that travel through the stages concurrently (each on its own route), so
 that one trainer keeps several stages busy at once and their transfers overlap other microbatches' compute: by
@@ -32,8 +36,8 @@ from torch import nn
 
 from lightning_swarm import compression
 from lightning_swarm.client.microbatch_tuning import Microbatches, MicrobatchTuner
-from lightning_swarm.client.routing import StageRouter
-from lightning_swarm.errors import ActivationsLostError, SwarmRequestError
+from lightning_swarm.client.routing import ReplyCheck, StageRouter
+from lightning_swarm.errors import CALLERS_FAULT, ActivationsLostError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,6 +76,8 @@ class RemotePipeline(nn.Module):
         self.router, self.loss_scale = router, loss_scale
         self.tuner = MicrobatchTuner(microbatches, router.num_stages)
         self.codec = compression.check_codec(codec)
+        # each stage's output: its shape per sample and its dtype, learned from the first reply
+        self._outputs: list[Optional[tuple[list[int], torch.dtype]]] = [None] * router.num_stages
         most = MAX_THREADS if self.tuner.microbatches == "auto" else self.tuner.microbatches
         self._pool = ThreadPoolExecutor(most, "swarm-microbatch") if most > 1 else None
         # a leaf that requires grad, so that backward reaches the stages even when the input needs no gradient
@@ -120,7 +126,11 @@ class RemotePipeline(nn.Module):
         for stage in range(self.num_stages):
             key = uuid.uuid4().hex if keep else None
             route.inputs.append(hidden)
-            hidden, peer = self._call(stage, "forward", [hidden], keep=key)
+            batch, learned = int(hidden.size[0]), self._outputs[stage]
+            check = ReplyCheck(batch) if learned is None else ReplyCheck(batch, [batch, *learned[0]], learned[1])
+            hidden, peer = self._call(stage, "forward", [hidden], check, keep=key)
+            self._outputs[stage] = learned or (list(hidden.size[1:]), compression.decoded_dtype(hidden))
+
             route.peers.append(peer)
             route.keys.append(key)
         return compression.deserialize(hidden), route
@@ -139,11 +149,13 @@ class RemotePipeline(nn.Module):
         """Backward on the peer that kept the forward; else recompute on a peer of the stage from the input."""
         peer, failed = route.peers[stage], None
         scaled = {} if loss_scale is None else {"loss_scale": loss_scale}
+        inputs = route.inputs[stage]  # the input gradient must be shaped like it; NaN reports an overflow
+        check = ReplyCheck(int(inputs.size[0]), inputs.size, compression.decoded_dtype(inputs), loss_scale is None)
         if route.keys[stage] is not None:
             try:
                 kept = route.keys[stage]
-                return self._call(stage, "backward", [grad], prefer=peer, failover=False, kept=kept, **scaled)[0]
-            except SwarmRequestError:
+                return self._call(stage, "backward", [grad], check, prefer=peer, failover=False, kept=kept, **scaled)[0]
+            except CALLERS_FAULT:
                 raise
             except ActivationsLostError:
                 pass  # that peer is alive but dropped the graph: let it recompute
@@ -151,7 +163,7 @@ class RemotePipeline(nn.Module):
                 log.warning("Stage %d: backward on %s failed (%r): recomputing on another peer", stage, peer, e)
                 peer, failed = None, e
             self.router.stats.recomputed += 1
-        grad, retried_on = self._call(stage, "backward", [route.inputs[stage], grad], prefer=peer, **scaled)
+        grad, retried_on = self._call(stage, "backward", [inputs, grad], check, prefer=peer, **scaled)
         if failed is not None:
             self.router.failed_over(stage, "backward", route.peers[stage], retried_on, failed)
         return grad
@@ -161,18 +173,20 @@ class RemotePipeline(nn.Module):
         stage: int,
         method: str,
         messages: list[runtime_pb2.Tensor],
+        check: ReplyCheck,
         prefer: Optional[str] = None,
         failover: bool = True,
         **metadata: Union[str, float, None],
     ) -> tuple[runtime_pb2.Tensor, str]:
-        """Call ``method`` of ``stage`` (only on ``prefer`` without failover); the reply as it came."""
+        """Call ``method`` of ``stage`` (only on ``prefer`` without failover); the reply as it came, once ``check``
+        passed it."""
         self.router.stats.raw_bytes_sent += sum(compression.raw_nbytes(m) for m in messages)
         metadata = {"codec": self.codec, "train": self.training, **metadata}
         batch = int(messages[0].size[0]) if messages[0].size else 1
         if failover:
-            reply, peer = self.router.call(stage, method, messages, metadata, batch, prefer=prefer)
+            reply, peer = self.router.call(stage, method, messages, metadata, batch, prefer=prefer, check=check)
         else:
-            reply, peer = self.router.call_peer(stage, prefer, method, messages, metadata, batch), prefer
+            reply, peer = self.router.call_peer(stage, prefer, method, messages, metadata, batch, check), prefer
         return reply[0], peer
 
 

@@ -9,7 +9,11 @@ their throughput, busy ones get less. A peer that has not published a throughput
 that newcomers get tried. (Estimates measured on this process's own calls, network included, were tried: one slow
 first call, e.g. while a peer warms up, starved that peer of the calls that would have corrected it.)
 A failed or timed-out call bans the peer for a while and the work goes to another peer of the same stage; after
-``max_retries`` failed attempts the stage is reported as unavailable. A stage with no usable peer at all (none in
+``max_retries`` failed attempts the stage is reported as unavailable. Any failure on the peer's side fails over so
+(a crashed worker, a stage not ready, an unexpected server error, or a malformed reply: replies are checked as
+requests are, :class:`ReplyCheck`); a peer that answers busy (full queue, out of memory) is tried again after the
+others, and only a request the caller got wrong (:data:`~lightning_swarm.errors.CALLERS_FAULT`) raises at once.
+A stage with no usable peer at all (none in
 the DHT, or all banned) is waited for, with a log line every ``WAIT_LOG_PERIOD`` seconds, for up to
 ``stage_wait_timeout`` seconds before it is reported as unavailable.
 Calls go to a peer's direct address (:mod:`~lightning_swarm.transport`) when its record has one, and over libp2p
@@ -24,7 +28,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from hivemind.p2p import P2PHandlerError, PeerID
@@ -34,11 +38,12 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from lightning_swarm import compression, discovery, events, protocol
 from lightning_swarm.discovery import PeerRecord, PeerState
 from lightning_swarm.errors import (
+    CALLERS_FAULT,
     ActivationsLostError,
-    NotServingError,
+    BadReplyError,
     StageBusyError,
     StageUnavailableError,
-    SwarmRequestError,
+    from_wire,
 )
 from lightning_swarm.logs import RateLimit
 from lightning_swarm.node import SwarmNode
@@ -50,6 +55,41 @@ log = logging.getLogger(__name__)
 DEFAULT_THROUGHPUT = 1.0  # samples/s assumed while no peer of the stage has been measured: only ratios matter
 WAIT_LOG_PERIOD = 10.0  # seconds between two log lines about the same stage having no live peer
 UNREACHABLE_PERIOD = 300.0  # seconds a peer whose direct address could not be reached is called over libp2p
+MAX_REPLY_BYTES = 256 * 2**20  # a reply's tensor, decoded: as much as a stage server accepts in a request
+Reply = list[runtime_pb2.Tensor]
+
+
+@dataclass(frozen=True)
+class ReplyCheck:
+    """What a stage's reply must be: one floating-point tensor of ``batch`` samples; of exactly ``shape`` and
+    ``dtype`` when given (a backward's input gradient is shaped like the stage's input); at most ``max_bytes``
+    decoded; finite unless ``finite`` is False (a backward under a loss scale reports an overflow as NaN)."""
+
+    batch: int
+    shape: Optional[Sequence[int]] = None
+    dtype: Optional[torch.dtype] = None
+    finite: bool = True
+    max_bytes: int = MAX_REPLY_BYTES
+
+    def __call__(self, reply: Reply) -> None:
+        """Raise :class:`BadReplyError` unless ``reply`` is what was asked for."""
+        if len(reply) != 1:
+            raise BadReplyError(f"a reply of {len(reply)} tensors, expected 1")
+        size = list(reply[0].size)
+        if not size or size[0] != self.batch or (self.shape is not None and size != list(self.shape)):
+            expected = list(self.shape) if self.shape is not None else f"[{self.batch}, ...]"
+            raise BadReplyError(f"a reply of shape {size}, expected {expected}")
+        try:
+            nbytes = compression.raw_nbytes(reply[0])
+            if nbytes > self.max_bytes:
+                raise BadReplyError(f"a reply of {nbytes} bytes, above {self.max_bytes}")
+            tensor = compression.deserialize(reply[0])
+        except ValueError as e:
+            raise BadReplyError(f"an undecodable reply: {e}") from None
+        if not tensor.is_floating_point() or (self.dtype is not None and tensor.dtype != self.dtype):
+            raise BadReplyError(f"a reply of dtype {tensor.dtype}, expected {self.dtype or 'a floating dtype'}")
+        if self.finite and not torch.isfinite(tensor).all():
+            raise BadReplyError("a reply with NaN or Inf")
 
 
 @dataclass
@@ -160,11 +200,13 @@ class StageRouter:
         metadata: dict,
         batch: int,
         prefer: Optional[str] = None,
-    ) -> tuple[list[runtime_pb2.Tensor], str]:
+        check: Optional[Callable[[Reply], None]] = None,
+    ) -> tuple[Reply, str]:
         """Run ``method`` of ``stage`` on some peer, failing over to others; returns the reply and the peer used.
 
-        Peers that fail count towards ``max_retries``; while the stage has no usable peer at all, or its peers answer
-        busy (a full queue, out of memory), this waits for one (up to ``stage_wait_timeout`` seconds) instead.
+        Peers that fail (``check`` refusing their reply included) count towards ``max_retries``; while the stage has
+        no usable peer at all, or its peers answer busy (a full queue, out of memory), this waits for one (up to
+        ``stage_wait_timeout`` seconds) instead. What was the caller's fault (``CALLERS_FAULT``) raises at once.
         """
         tried: list[str] = []
         last_error: Optional[BaseException] = None
@@ -187,11 +229,11 @@ class StageRouter:
             # waiting_since is kept: a banned peer retried once its ban expired (a dead one, whose record has not
             # expired yet) must not restart the count towards stage_wait_timeout
             try:
-                reply = self.call_peer(stage, peer, method, tensors, metadata, batch)
+                reply = self.call_peer(stage, peer, method, tensors, metadata, batch, check)
                 if last_error is not None:
                     self.failed_over(stage, method, failed_peer, peer, last_error)
                 return reply, peer
-            except (SwarmRequestError, ActivationsLostError):
+            except (*CALLERS_FAULT, ActivationsLostError):
                 raise
             except StageBusyError as e:  # overloaded (queue full, out of memory): the others, then it again, later
                 last_error, failed_peer = e, peer
@@ -243,12 +285,23 @@ class StageRouter:
         time.sleep(min(1.0, max(0.05, self.stage_wait_timeout - waited)))
 
     def call_peer(
-        self, stage: int, peer: str, method: str, tensors: list, metadata: dict, batch: int
-    ) -> list[runtime_pb2.Tensor]:
-        """One attempt on one peer. A peer that fails other than by refusing the request is banned for a while."""
+        self,
+        stage: int,
+        peer: str,
+        method: str,
+        tensors: list,
+        metadata: dict,
+        batch: int,
+        check: Optional[Callable[[Reply], None]] = None,
+    ) -> Reply:
+        """One attempt on one peer; ``check`` vets its reply. A peer that fails (a bad reply included) other than by
+        refusing the request, answering busy or having dropped a forward's graph is banned for a while."""
         try:
-            return self._call_peer(stage, peer, method, tensors, metadata, batch)
-        except (SwarmRequestError, ActivationsLostError, StageBusyError):
+            reply = self._call_peer(stage, peer, method, tensors, metadata, batch)
+            if check is not None:
+                check(reply)
+            return reply
+        except (*CALLERS_FAULT, ActivationsLostError, StageBusyError):
             raise
         except Exception as e:
             self.stats.failed[peer] = self.stats.failed.get(peer, 0) + 1
@@ -397,9 +450,5 @@ class StageRouter:
 
 
 def _remote_error(error: P2PHandlerError) -> Exception:
-    """Turn a remote handler's error back into the kind the server raised."""
-    message = str(error)
-    for kind in (SwarmRequestError, StageBusyError, ActivationsLostError, NotServingError):
-        if kind.__name__ in message:
-            return kind(message)
-    return error
+    """Turn a remote handler's error back into the kind the server raised (the error itself if it names none)."""
+    return from_wire(str(error)) or error

@@ -3,8 +3,9 @@
 Backward is cheapest on the peer that ran the forward: it still holds the autograd graph, so it neither
 recomputes the forward nor needs the stage's input sent again. Those graphs hold memory, so they are kept for a
 bounded time and up to a bounded number of bytes (what autograd saved, counted as it saves it, plus the stage's
-input and output), the oldest dropped first. A backward whose graph was dropped falls back to recomputation from
-the input.
+input and output). Past the byte cap, the caller that holds the most bytes gives up its oldest forward first, so
+that one caller's flood of forwards cannot push out the graphs of the others. A backward whose graph was dropped
+falls back to recomputation from the input.
 
 The default bound (:func:`default_max_bytes`) is a fraction of the accelerator's free memory when the server
 starts, measured after the stage's parameters and optimizer state were allocated; on the CPU it stays 1 GiB.
@@ -31,58 +32,70 @@ class Kept:
     nbytes: int
     params_version: int
     created: float = field(default_factory=time.monotonic)
+    owner: Hashable = None  # the caller whose forward it is: the cap is shared fairly between callers
 
 
 class KeptActivations:
-    """Forward passes waiting for their backward, bounded by ``max_bytes`` and ``ttl`` seconds."""
+    """Forward passes waiting for their backward, bounded by ``max_bytes`` and ``ttl`` seconds; past ``max_bytes``,
+    the owner holding the most bytes loses its oldest forward first."""
 
     def __init__(self, max_bytes: int, ttl: float) -> None:
         self.max_bytes, self.ttl = max_bytes, ttl
         self.nbytes = 0
         self.dropped = 0  # forward passes dropped before their backward came (time or memory)
         self._entries: OrderedDict[Hashable, Kept] = OrderedDict()
+        self._owned: dict[Hashable, int] = {}  # owner -> bytes it holds
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    def owned(self, owner: Hashable) -> int:
+        """Bytes the forwards of ``owner`` hold."""
+        return self._owned.get(owner, 0)
+
     def put(self, key: Hashable, kept: Kept) -> None:
-        """Keep ``kept`` under ``key`` (replacing what the key held), dropping the oldest entries past the cap."""
+        """Keep ``kept`` under ``key`` (replacing what the key held); past the cap, drop the oldest entries of the
+        owner that holds the most bytes."""
         with self._lock:
-            replaced = self._entries.pop(key, None)
-            if replaced is not None:
-                self.nbytes -= replaced.nbytes
+            self._remove(key)
             if kept.nbytes > self.max_bytes:
                 self.dropped += 1
                 return
             self._entries[key] = kept
             self.nbytes += kept.nbytes
+            self._owned[kept.owner] = self._owned.get(kept.owner, 0) + kept.nbytes
             while self.nbytes > self.max_bytes:
-                self._drop_oldest()
+                greediest = max(self._owned, key=self._owned.__getitem__)
+                self._remove(next(k for k, e in self._entries.items() if e.owner == greediest))
+                self.dropped += 1
 
     def pop(self, key: Hashable) -> Optional[Kept]:
         with self._lock:
-            kept = self._entries.pop(key, None)
-            if kept is not None:
-                self.nbytes -= kept.nbytes
-            return kept
+            return self._remove(key)
 
     def expire(self) -> None:
         """Drop the forward passes older than ``ttl``."""
         now = time.monotonic()
         with self._lock:
             while self._entries and now - next(iter(self._entries.values())).created > self.ttl:
-                self._drop_oldest()
+                self._remove(next(iter(self._entries)))
+                self.dropped += 1
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._owned.clear()
             self.nbytes = 0
 
-    def _drop_oldest(self) -> None:
-        _, kept = self._entries.popitem(last=False)
-        self.nbytes -= kept.nbytes
-        self.dropped += 1
+    def _remove(self, key: Hashable) -> Optional[Kept]:
+        kept = self._entries.pop(key, None)
+        if kept is not None:
+            self.nbytes -= kept.nbytes
+            self._owned[kept.owner] = self._owned.get(kept.owner, 0) - kept.nbytes
+            if not self._owned[kept.owner]:
+                del self._owned[kept.owner]
+        return kept
 
 
 DEVICE_MEMORY_FRACTION = 0.5  # of a CUDA device's free memory; the rest: gradients, backward's workspace, decoding

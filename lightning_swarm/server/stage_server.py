@@ -1,14 +1,21 @@
 """The stage server: answers forward and backward requests for the stage this peer serves (SWARM section 2).
 
-Requests arrive over hivemind's libp2p RPC, are decoded straight onto the stage's device and validated beside the
-event loop, and wait in a bounded queue for one compute worker thread that owns the stage module on that device. A
+Requests arrive over hivemind's libp2p RPC or the direct path (:mod:`~lightning_swarm.transport`), both answered by
+:meth:`StageServer.answer_tensors`: the caller's membership is checked first (on a stream, on its first message), the
+request's shape against the stage's input signature (declared, or learned from the first forward the stage computed)
+and the samples it claims against a bound, then it is decoded straight onto the stage's device and validated beside
+the event loop, and waits in a bounded queue shared fairly between callers (:mod:`~lightning_swarm.server.fair_queue`)
+for one compute worker thread that owns the stage module on that device. A
 training forward keeps its autograd graph for a while (:mod:`~lightning_swarm.server.kept_activations`), so that the
 backward that follows on this peer needs only the output gradient and computes no forward again. A backward sent
 with the stage's input instead recomputes the forward from it, so any peer of the stage can serve it (the fallback
 when the first peer died or dropped the graph). Backward hands the parameter gradients to the stage optimizer (which
 accumulates them towards the stage's target batch size) and returns the gradient of the input.
-A request that fails validation or computation leaves the stage's parameters and accumulated gradients untouched;
-one that runs out of memory is answered "busy" (the caller tries another peer, or waits), once what it held is freed.
+A request that fails validation or computation leaves the stage's parameters and accumulated gradients untouched.
+A malformed request is refused with :class:`~lightning_swarm.errors.SwarmRequestError` (the caller's fault); one that
+runs out of memory is answered "busy" (the caller tries another peer, or waits), once what it held is freed; any other
+failure of a well-formed request is the server's (:class:`~lightning_swarm.errors.StageFailedError`: the caller fails
+over).
 The stage computes in the Trainer's precision (:mod:`~lightning_swarm.precision`); under ``16-mixed`` a backward
 carries the trainer's loss scale (:meth:`StageServer._backward_through` says how it is used).
 The throughput a server publishes is measured on its requests' compute, the device synchronised.
@@ -24,7 +31,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Optional, Sequence
 
 import torch
 from hivemind.p2p import P2PContext, ServicerBase
@@ -34,10 +41,18 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_swarm import compression, protocol, security
-from lightning_swarm.errors import ActivationsLostError, NotServingError, StageBusyError, SwarmRequestError
+from lightning_swarm.errors import (
+    WIRE_ERRORS,
+    ActivationsLostError,
+    NotServingError,
+    StageBusyError,
+    StageFailedError,
+    SwarmRequestError,
+)
 from lightning_swarm.precision import activation_dtypes, autocast, parameter_dtype, unscale_
-from lightning_swarm.security import AccessPolicy, PeerNotAllowedError
+from lightning_swarm.security import AccessPolicy
 from lightning_swarm.server import device_memory
+from lightning_swarm.server.fair_queue import FairQueue
 from lightning_swarm.server.kept_activations import Kept, KeptActivations, counting_saved_bytes, default_max_bytes
 from lightning_swarm.server.out_of_core import OutOfCoreStage, spare_bytes
 
@@ -70,10 +85,16 @@ class StageServer(ServicerBase):
             with ``wait=False`` on the worker before each forward, so that only forwards run during a step see the
             old parameters; with ``wait=True`` (a step still running finishes first) before the state is read.
         describe: more entries for ``info()`` (e.g. the stage optimizer's progress).
-        max_queue: requests waiting for the worker; further requests are answered "busy".
+        max_queue: requests waiting for the worker; further requests are answered "busy". Shared fairly between
+            callers: under contention each keeps an equal share of the places and of the worker's samples.
         max_request_bytes: requests with more tensor bytes are refused before they are decoded.
+        max_request_samples: requests claiming more samples (their first dimension) are refused.
+        input_shape: the stage's input signature, one sample's shape (the input without its batch dimension; None
+            for a dimension of any size). None: learned from the first forward the stage computes. Inputs of
+            another shape are refused before they are decoded.
         max_activation_bytes: memory for the graphs of training forwards awaiting their backward (what autograd
-            saved, and the stage's input and output; the oldest are dropped first, and their backward recomputes).
+            saved, and the stage's input and output; past it, the caller holding the most gives up its oldest, and
+            their backward recomputes).
             None: half of the device's free memory when the server starts (CUDA), 1 GiB on the CPU; for an
             out-of-core stage, half of what its plan leaves of the device-memory budget.
         activation_timeout: seconds such a graph is kept at most.
@@ -99,6 +120,8 @@ class StageServer(ServicerBase):
         describe: Optional[Callable[[], dict]] = None,
         max_queue: int = 64,
         max_request_bytes: int = 256 * 2**20,
+        max_request_samples: int = 4096,
+        input_shape: Optional[Sequence[Optional[int]]] = None,
         max_activation_bytes: Optional[int] = None,
         activation_timeout: float = 120.0,
         checkpoint_activations: bool = False,
@@ -123,6 +146,8 @@ class StageServer(ServicerBase):
         self.on_idle, self.idle_period, self.describe = on_idle, idle_period, describe
         self.refresh_parameters = refresh_parameters
         self.max_request_bytes, self.checkpoint_activations = max_request_bytes, checkpoint_activations
+        self.max_request_samples = max_request_samples
+        self.input_shape = None if input_shape is None else tuple(input_shape)
         if max_activation_bytes is None:
             max_activation_bytes = spare_bytes(module)
         if max_activation_bytes is None:
@@ -135,7 +160,7 @@ class StageServer(ServicerBase):
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.throughput = PerformanceEMA(alpha=0.1)
         self.lock = threading.Lock()  # held by the worker while it computes; others take it to read the state
-        self._tasks: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._tasks = FairQueue(max_queue)
         self._queued_samples = 0
         self.backward_samples = 0  # samples whose gradients reached the stage optimizer
         self.skipped_samples = 0  # samples whose gradients were not finite (16-mixed overflow): not accumulated
@@ -146,11 +171,11 @@ class StageServer(ServicerBase):
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         self._check_caller(context, request.metadata)
-        return await self.answer("forward", request, context.remote_id)
+        return await self.answer("forward", request, str(context.remote_id))
 
     async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         self._check_caller(context, request.metadata)
-        return await self.answer("backward", request, context.remote_id)
+        return await self.answer("backward", request, str(context.remote_id))
 
     async def rpc_forward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -167,12 +192,14 @@ class StageServer(ServicerBase):
     async def _answer_stream(
         self, kind: str, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        try:
-            request = await protocol.gather_request(requests, self.max_request_bytes)
-            self._check_caller(context, request.metadata)
-            response = await self.answer(kind, request, context.remote_id)
-        except (SwarmRequestError, StageBusyError, ActivationsLostError, NotServingError, PeerNotAllowedError) as e:
+        try:  # the caller's membership is checked on the first message, before the rest of the stream is read
+            request = await protocol.gather_request(
+                requests, self.max_request_bytes, lambda metadata: self._check_caller(context, metadata)
+            )
+            response = await self.answer(kind, request, str(context.remote_id))
+        except tuple(WIRE_ERRORS.values()) as e:
             raise type(e)(repr(e)) from None  # hivemind sends str(e) on streams: keep the class name for callers
+
         for part in protocol.stream_response(response):
             yield part
 
@@ -219,17 +246,18 @@ class StageServer(ServicerBase):
     # ---- validation and compute -----------------------------------------------------------------------------------
 
     async def answer(
-        self, kind: str, request: runtime_pb2.ExpertRequest, caller: object = "this peer"
+        self, kind: str, request: runtime_pb2.ExpertRequest, caller: str = "this peer"
     ) -> runtime_pb2.ExpertResponse:
         """:meth:`answer_tensors`, as hivemind's message (for libp2p)."""
         tensors = await self.answer_tensors(kind, request, caller)
         return runtime_pb2.ExpertResponse(tensors=[compression.to_message(t) for t in tensors])
 
     async def answer_tensors(
-        self, kind: str, request: runtime_pb2.ExpertRequest, caller: object = "this peer"
+        self, kind: str, request: runtime_pb2.ExpertRequest, caller: str = "this peer"
     ) -> list[compression.WireTensor]:
         """Validate a forward or backward request, run it on the worker and encode the reply. ``request`` may also
-        be any object with its fields (``uid``, ``tensors``, ``metadata``), e.g. from the direct path."""
+        be any object with its fields (``uid``, ``tensors``, ``metadata``), e.g. from the direct path. ``caller``
+        (a peer id) is whom the queue and the kept activations are shared between."""
         try:
             self._check_uid(request.uid)
             metadata = protocol.decode_metadata(request.metadata)
@@ -242,24 +270,29 @@ class StageServer(ServicerBase):
             expected = 1 if kind == "forward" or key is not None else 2
             if len(request.tensors) != expected:
                 raise SwarmRequestError(f"{kind} expects {expected} tensor(s), got {len(request.tensors)}")
+            self._check_shapes(request.tensors, has_input=key is None)
+            if not self._tasks.admits(caller):  # before its tensors cost any decoding
+                raise self._busy()
             loss_scale = self._loss_scale(kind, metadata)
             # a scaled gradient may have overflowed upstream: a backward with it is skipped, not refused
             finite = [True] * (expected - 1) + [loss_scale is None]
             loop = asyncio.get_running_loop()  # decoding and encoding run beside it, not on it
             tensors = await loop.run_in_executor(None, lambda: list(map(self._decode, request.tensors, finite)))
-            batch = int(tensors[0].shape[0]) if tensors[0].ndim else 1
+            batch = int(tensors[0].shape[0])
             train = bool(metadata.get("train", True))
-            caller_key = None if key is None else (str(caller), key)
-            future = self._submit(kind, tensors, train, batch, caller_key, loss_scale)
+            future = self._submit(kind, tensors, train, batch, caller, key, loss_scale)
             output = await asyncio.wrap_future(future)
             encoded = await loop.run_in_executor(None, compression.encode, output, codec)
         except (ActivationsLostError, NotServingError):
             raise  # expected when the caller's view is stale: no log line
+        except (SwarmRequestError, StageBusyError, StageFailedError) as e:
+            log.warning("Stage %d refused a %s request from %s: %r", self.stage, kind, caller, e)
+            raise
         except Exception as e:
             if _out_of_memory(e):  # in decoding or encoding (the worker answers busy itself)
                 raise self._overloaded(kind, repr(e)) from None
-            log.warning("Stage %d refused a %s request from %s: %r", self.stage, kind, caller, e)
-            raise
+            log.warning("Stage %d failed a %s request from %s: %r", self.stage, kind, caller, e)
+            raise StageFailedError(f"stage {self.stage} failed a {kind} request: {e!r}") from None
         return [encoded]
 
     def _check_caller(self, context: P2PContext, raw_metadata: Optional[bytes]) -> None:
@@ -275,6 +308,37 @@ class StageServer(ServicerBase):
         except Exception:
             metadata = {}
         self.policy.check_request(self.run_id, context, metadata if isinstance(metadata, dict) else {})
+
+    def _check_shapes(self, messages: Sequence[runtime_pb2.Tensor], has_input: bool) -> None:
+        """Refuse, from the tensors' headers alone, a request whose tensors claim no samples, too many, or more bytes
+        than the cap, or whose input (the first tensor, ``has_input``) does not match the stage's input signature."""
+        for message in messages:
+            if not message.size:
+                raise SwarmRequestError("a tensor without a batch dimension")
+            if math.prod(message.size) * max(d.itemsize for d in self.activation_dtypes) > self.max_request_bytes:
+                raise SwarmRequestError(
+                    f"tensor of shape {list(message.size)} exceeds the cap of {self.max_request_bytes} bytes"
+                )
+            if message.size[0] > self.max_request_samples:
+                raise SwarmRequestError(
+                    f"a request may claim at most {self.max_request_samples} samples (max_request_samples), this one "
+                    f"claims {message.size[0]}"
+                )
+        if has_input:
+            self._check_input_shape(list(messages[0].size))
+
+    def _check_input_shape(self, shape: Sequence[int]) -> None:
+        """Refuse an input whose shape does not match the stage's input signature (if it is known yet): a tensor of
+        another shape may still pass the module (``[N, 1, C]`` for ``[N, T, C]``) and count as N samples."""
+        expected = self.input_shape
+        if expected is None:
+            return
+        sample = tuple(shape[1:])
+        if len(sample) != len(expected) or any(e is not None and e != n for e, n in zip(expected, sample)):
+            signature = ", ".join("*" if e is None else str(e) for e in expected)
+            raise SwarmRequestError(
+                f"input of shape {list(shape)} does not match stage {self.stage}'s input signature [batch, {signature}]"
+            )
 
     def _check_uid(self, uid: str) -> None:
         if uid == self.uid:
@@ -294,11 +358,6 @@ class StageServer(ServicerBase):
         return float(scale)
 
     def _decode(self, message: runtime_pb2.Tensor, finite: bool = True) -> torch.Tensor:
-        numel = math.prod(message.size)
-        if numel * max(d.itemsize for d in self.activation_dtypes) > self.max_request_bytes:
-            raise SwarmRequestError(
-                f"tensor of shape {list(message.size)} exceeds the cap of {self.max_request_bytes} bytes"
-            )
         try:
             tensor = compression.deserialize(message, device=self.device)
         except Exception as e:
@@ -320,16 +379,26 @@ class StageServer(ServicerBase):
         tensors: list[torch.Tensor],
         train: bool,
         batch: int,
-        key: Optional[tuple[str, str]],
+        caller: str,
+        key: Optional[str],
         loss_scale: Optional[float] = None,
     ) -> Future:
+        if not self._worker.is_alive():
+            raise StageFailedError(f"stage {self.stage}'s worker is not running")
         future: Future = Future()
+        caller_key = None if key is None else (caller, key)
         try:
-            self._tasks.put_nowait((kind, tensors, train, batch, key, loss_scale, future))
+            displaced = self._tasks.put(caller, (kind, tensors, train, batch, caller_key, loss_scale, future), batch)
         except queue.Full:
-            raise StageBusyError(f"stage {self.stage} is busy ({self._tasks.maxsize} requests queued)") from None
+            raise self._busy() from None
         self._queued_samples += batch
+        if displaced is not None:  # the newest request of the caller that held the most places
+            self._queued_samples -= displaced[3]
+            displaced[-1].set_exception(StageBusyError(f"stage {self.stage} is busy: other callers need their share"))
         return future
+
+    def _busy(self) -> StageBusyError:
+        return StageBusyError(f"stage {self.stage} is busy ({self._tasks.maxsize} requests queued)")
 
     def _work(self) -> None:
         while True:
@@ -360,6 +429,7 @@ class StageServer(ServicerBase):
         if not future.set_running_or_notify_cancel():
             return
         start, error = time.perf_counter(), None
+        signature_known = self.input_shape is not None
         try:
             with self.lock:
                 self.module.train(train)
@@ -369,8 +439,9 @@ class StageServer(ServicerBase):
             future.set_exception(e)
             return
         except Exception as e:
-            if not _out_of_memory(e):  # a failing module call is the request's fault (shape, content), not ours
-                future.set_exception(SwarmRequestError(f"stage {self.stage} {kind} failed: {e!r}"))
+            if not _out_of_memory(e):  # on an input of the stage's signature, a failing module is the stage's fault
+                fault = StageFailedError if signature_known else SwarmRequestError
+                future.set_exception(fault(f"stage {self.stage} {kind} failed: {e!r}"))
                 return
             error = repr(e)  # handled below, once the failed call's frames (and the tensors they hold) are gone
         if error is not None:
@@ -379,6 +450,10 @@ class StageServer(ServicerBase):
             tensors.clear()  # the request's inputs, shared with the handler awaiting the answer
             future.set_exception(self._overloaded(kind, error))
             return
+        if self.input_shape is None and (kind == "forward" or key is None):
+            self.input_shape = tuple(tensors[0].shape[1:])
+            log.info("Stage %d learned its input signature: [batch, %s]", self.stage, list(self.input_shape))
+
         if self.throttle > 1:
             time.sleep((self.throttle - 1) * (time.perf_counter() - start))
         self.throughput.update(batch, interval=time.perf_counter() - start)  # compute only, not the step below
@@ -425,6 +500,8 @@ class StageServer(ServicerBase):
         self, kind: str, tensors: list[torch.Tensor], key: Optional[tuple[str, str]], loss_scale: Optional[float]
     ) -> tuple[torch.Tensor, bool]:
         """The request's output, and whether the parameters' ``.grad`` now hold gradients to accumulate."""
+        if kind == "forward" or key is None:
+            self._check_input_shape(tensors[0].shape)  # again: a request checked before the signature was learned
         if kind == "forward":
             if self.refresh_parameters is not None:
                 self.refresh_parameters(False)
@@ -445,7 +522,7 @@ class StageServer(ServicerBase):
             outputs = self._run(inputs)
         saved.count(inputs)  # the entry holds both, whether the graph saved them or not
         saved.count(outputs)
-        self.kept.put(key, Kept(inputs, outputs, saved.nbytes, self._params_version()))
+        self.kept.put(key, Kept(inputs, outputs, saved.nbytes, self._params_version(), owner=key[0]))
         return outputs.detach()
 
     def _run(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -547,13 +624,9 @@ class StageServer(ServicerBase):
 
     def shutdown(self) -> None:
         """Stop the worker; requests still queued are answered with an error."""
-        while True:
-            try:
-                *_, future = self._tasks.get_nowait()
-            except queue.Empty:
-                break
+        for *_, future in self._tasks.close():
             future.set_exception(StageBusyError(f"stage {self.stage} is shutting down"))
-        self._tasks.put(None)
         self._worker.join(timeout=30)
+
         self.kept.clear()
         device_memory.dump(self._snapshot_path)
