@@ -407,6 +407,18 @@ def test_auto_microbatches_keep_a_count_that_is_not_measurably_slower():
     assert tuner.settled(16) == 4 and set(counts) == {4, 8, 2}
 
 
+@pytest.mark.parametrize("period", [2, 3, 5, 7])
+def test_auto_microbatches_under_a_load_that_comes_and_goes_never_settle_on_a_slower_count(period):
+    """Counts are compared side by side, batches alternating: a load that doubles every batch's time for
+    ``period`` batches, then goes for as long, must not make a slower count look faster than the start."""
+    for compute, per_call in [(6.0, 0.001), (0.4, 0.01), (0.04, 0.05), (0.2, 0.05)]:
+        seconds, tuner = pipeline_seconds(compute, per_call), MicrobatchTuner("auto", num_stages=2)
+        for batch in range(80):
+            count = tuner.count(16)
+            tuner.record(16, count, seconds(count) * (2.0 if batch // period % 2 else 1.0))
+        assert tuner.settled(16) is not None and seconds(tuner.settled(16)) <= seconds(4), (compute, per_call)
+
+
 def test_fixed_microbatches_are_never_tuned():
     tuner = MicrobatchTuner(3, num_stages=2)
     assert set(tune(tuner, 12, pipeline_seconds(1.8, 0.01))) == {3} and tuner.settled(12) is None

@@ -4,9 +4,11 @@ More microbatches in flight shrink the pipeline's bubble (a batch of ``M`` micro
 each stage busy ``M / (M + S - 1)`` of the time), but every microbatch pays a fixed cost per call (encoding,
 transfer start, queueing, the server's dispatch). Which wins depends on the model's compute per sample, the links
 and the peers, so no fixed rule is right for both a small model on a slow link and a large one on a fast link. With
-``microbatches="auto"`` the trainer starts at ``AUTO_MICROBATCHES_PER_STAGE`` per stage, times a few batches at each
-count, and climbs to the neighbouring divisor of the batch size while that is measurably faster, then keeps the
-best count for that batch size. The loss and gradients do not depend on the count (see ``remote_pipeline``).
+``microbatches="auto"`` the trainer starts at ``AUTO_MICROBATCHES_PER_STAGE`` per stage and climbs to the
+neighbouring divisor of the batch size while that is measurably faster, then keeps the best count for that batch
+size. Each step of the climb compares two counts side by side, alternating batches between them, so that a load
+that comes and goes on a shared machine weighs on both alike. The loss and gradients do not depend on the count
+(see ``remote_pipeline``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ log = logging.getLogger(__name__)
 Microbatches = Union[int, Literal["auto"]]
 AUTO_MICROBATCHES_PER_STAGE = 2  # where tuning starts: one in each stage's compute, one in transfer
 MIN_MICROBATCH_SIZE = 1  # samples
-WARMUP_BATCHES = 2  # first batches at the starting count, not timed (connections, allocator, caches)
-TRIAL_BATCHES = 3  # batches timed per count; their median counts
+WARMUP_BATCHES = 1  # a count's first batches, not timed (connections, threads, allocator, caches)
+TRIAL_BATCHES = 3  # batches timed per count and comparison; their median counts
 MIN_GAIN = 0.05  # a neighbouring count must be this much faster to be taken: steps of a swarm are noisy
 
 
@@ -52,20 +54,27 @@ def microbatch_count(batch_size: int, microbatches: int) -> int:
 
 @dataclass
 class _Search:
-    """The hill climb for one batch size: the count being timed, the direction of the climb (+1: more
-    microbatches, -1: fewer, 0: settled), the fastest count so far and the median seconds measured per count."""
+    """The climb for one batch size: the best count so far, the neighbour it is compared with (None: settled),
+    the direction of the climb (+1: more microbatches, -1: fewer), and the seconds timed in this comparison."""
 
     candidates: list[int]
-    index: int
-    direction: int = 1
-    best: Optional[int] = None
-    warmup: int = WARMUP_BATCHES
-    timings: list[float] = field(default_factory=list)
-    measured: dict[int, float] = field(default_factory=dict)
+    best: int
+    challenger: Optional[int]
+    direction: int
+    timings: dict[int, list[float]] = field(default_factory=dict)
+    seen: dict[int, int] = field(default_factory=dict)  # batches run at each count, warm-up included
+    measured: dict[int, float] = field(default_factory=dict)  # each count's last median, for the log
 
-    @property
-    def count(self) -> int:
-        return self.candidates[self.index]
+    def next_count(self) -> int:
+        """The count of the two with fewer batches timed (the best first): the two take turns."""
+        if self.challenger is None:
+            return self.best
+        timed = {count: len(self.timings.get(count, ())) for count in (self.best, self.challenger)}
+        return self.best if timed[self.best] <= timed[self.challenger] else self.challenger
+
+    def neighbour(self, direction: int) -> Optional[int]:
+        index = self.candidates.index(self.best) + direction
+        return self.candidates[index] if 0 <= index < len(self.candidates) else None
 
 
 class MicrobatchTuner:
@@ -83,57 +92,57 @@ class MicrobatchTuner:
         """How many microbatches a batch of ``batch_size`` samples is split into now."""
         if self.microbatches != "auto":
             return microbatch_count(batch_size, self.microbatches)
-        return self._search(batch_size).count
+        return self._search(batch_size).next_count()
 
     def settled(self, batch_size: int) -> Optional[int]:
         """The count tuning chose for ``batch_size``, or None while it is still measuring (or for a fixed count)."""
         search = self._searches.get(batch_size)
-        return search.count if search is not None and search.direction == 0 else None
+        return search.best if search is not None and search.challenger is None else None
 
     def record(self, batch_size: int, count: int, seconds: float) -> None:
         """A batch of ``batch_size`` samples split into ``count`` microbatches took ``seconds`` through the stages
         (forward and backward)."""
         search = self._searches.get(batch_size)
-        if search is None or search.direction == 0 or count != search.count:
+        if search is None or search.challenger is None or count not in (search.best, search.challenger):
             return
-        if search.warmup > 0:
-            search.warmup -= 1
+        search.seen[count] = search.seen.get(count, 0) + 1
+        if search.seen[count] <= WARMUP_BATCHES:
             return
-        search.timings.append(seconds)
-        if len(search.timings) < TRIAL_BATCHES:
-            return
-        search.measured[search.count] = statistics.median(search.timings)
-        search.timings = []
-        self._climb(batch_size, search)
+        search.timings.setdefault(count, []).append(seconds)
+        if all(len(search.timings.get(c, ())) >= TRIAL_BATCHES for c in (search.best, search.challenger)):
+            self._compare(batch_size, search)
 
     def _search(self, batch_size: int) -> _Search:
         if batch_size not in self._searches:
             candidates = divisors(batch_size)
             start = microbatch_count(batch_size, AUTO_MICROBATCHES_PER_STAGE * self.num_stages)
-            index = candidates.index(start)
-            direction = 0 if len(candidates) == 1 else -1 if index == len(candidates) - 1 else 1
-            self._searches[batch_size] = _Search(candidates, index, direction, best=None if direction else start)
+            search = _Search(candidates, start, None, 1)
+            search.challenger = search.neighbour(1)
+            if search.challenger is None:
+                search.challenger, search.direction = search.neighbour(-1), -1
+            self._searches[batch_size] = search
         return self._searches[batch_size]
 
-    def _climb(self, batch_size: int, search: _Search) -> None:
-        """After timing ``search.count``: take it if it is measurably faster than the best so far, then step on in
-        the climb's direction; turn back once if the first step up was no better; else settle on the best."""
-        count = search.count
-        if search.best is None or search.measured[count] < (1 - MIN_GAIN) * search.measured[search.best]:
-            search.best = count
+    def _compare(self, batch_size: int, search: _Search) -> None:
+        """Take the challenger if it was measurably faster, and go on in that direction; if the first step up was
+        no faster, try one down; else settle on the best."""
+        best, challenger = (statistics.median(search.timings[c]) for c in (search.best, search.challenger))
+        search.measured.update({search.best: best, search.challenger: challenger})
+        search.timings = {}
+        if challenger < (1 - MIN_GAIN) * best:
+            search.best = search.challenger
         elif search.direction == 1 and len(search.measured) == 2:
-            search.direction = -1  # the first step up was no better: try fewer microbatches instead
+            search.direction = -1
         else:
-            return self._settle(batch_size, search)
-        following = search.candidates.index(search.best) + search.direction
-        if not 0 <= following < len(search.candidates) or search.candidates[following] in search.measured:
-            return self._settle(batch_size, search)
-        search.index = following
-
-    def _settle(self, batch_size: int, search: _Search) -> None:
-        best = search.best
-        search.index, search.direction = search.candidates.index(best), 0
-        tried = ", ".join(f"{count}: {seconds:.3g}" for count, seconds in sorted(search.measured.items()))
-        log.info(
-            "Microbatches: %d per batch of %d samples (median seconds per batch by count: %s)", best, batch_size, tried
-        )
+            search.challenger = None
+        if search.challenger is not None:
+            following = search.neighbour(search.direction)
+            search.challenger = following if following not in search.measured else None
+        if search.challenger is None:
+            tried = ", ".join(f"{count}: {seconds:.3g}" for count, seconds in sorted(search.measured.items()))
+            log.info(
+                "Microbatches: %d per batch of %d samples (median seconds per batch by count: %s)",
+                search.best,
+                batch_size,
+                tried,
+            )
