@@ -526,64 +526,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ---- arguments ----------------------------------------------------------------------------------------------------
 
 
-def docstring_args(doc: str) -> dict:
-    """The ``Args:`` section of a Google-style docstring: argument name -> its description on one line."""
-    described: dict = {}
-    lines = (doc or "").expandtabs().splitlines()
-    try:
-        start = next(i for i, line in enumerate(lines) if line.strip() == "Args:")
-    except StopIteration:
-        return described
-    indent, name = None, None
-    for line in lines[start + 1 :]:
-        if not line.strip():
-            continue
-        depth = len(line) - len(line.lstrip())
-        indent = depth if indent is None else indent
-        if depth < indent:
-            break  # the section ended
-        match = re.match(r"(\w+)(?: \([^)]*\))?: ?(.*)", line.strip())
-        if depth == indent and match:
-            name = match.group(1)
-            described[name] = match.group(2)
-        elif name is not None:
-            described[name] += " " + line.strip()
-    return described
-
-
 def strategy_arguments() -> list:
-    """Every ``SwarmStrategy`` argument: name, environment variable, type, default and description."""
-    import inspect
-
-    from lightning_swarm import strategy as strategy_module
+    """Every ``SwarmStrategy`` argument (a :class:`~lightning_swarm.settings.SwarmSettings` field): name,
+    environment variable, type (as the strategy takes it), default and description."""
+    from lightning_swarm import settings
     from lightning_swarm.strategy import SwarmStrategy
 
-    prefix = strategy_module.ENV_PREFIX
-    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(prefix)}
-    try:
-        defaults = SwarmStrategy()  # nothing starts in the constructor; every argument takes its default
-    finally:
-        os.environ.update(saved)
-    described = docstring_args(SwarmStrategy.__doc__)
     try:
         hints = typing.get_type_hints(SwarmStrategy.__init__)
-    except Exception:  # an annotation that does not resolve: show it as written
+    except Exception:  # an annotation that does not resolve: show the field's
         hints = {}
+    described = settings.descriptions()
     out = []
-    for name, parameter in inspect.signature(SwarmStrategy.__init__).parameters.items():
-        if name == "self" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            continue
-        kind = _type_name(hints.get(name, parameter.annotation))
-        value = getattr(defaults, name, None)
+    for f in dataclasses.fields(settings.SwarmSettings):
+        value = settings.default(f.name)
         if isinstance(value, (list, tuple, set, frozenset)):
             value = ",".join(map(str, value)) or "(empty)"
         out.append(
             {
-                "name": name,
-                "env": prefix + name.upper(),
-                "type": kind,
+                "name": f.name,
+                "env": settings.ENV_PREFIX + f.name.upper(),
+                "type": _type_name(hints.get(f.name, f.type)),
                 "default": "-" if value is None else str(value),
-                "description": described.get(name, ""),
+                "description": described.get(f.name, ""),
             }
         )
     return out
@@ -609,8 +574,9 @@ then takes the default below. Lists (multiaddrs, peer ids) are comma separated i
 arguments are the `init_args` of `trainer.strategy` in a LightningCLI config (see
 [command_line.md](command_line.md)).
 
-Generated from the strategy's docstring and defaults by `lightning-swarm arguments --markdown > docs/arguments.md`
-(run it again after changing them). `lightning-swarm arguments` prints the same list in a terminal, and
+Generated from the fields of `lightning_swarm.settings.SwarmSettings` (their docstrings and defaults) by
+`lightning-swarm arguments --markdown > docs/arguments.md` (run it again after changing them).
+`lightning-swarm arguments` prints the same list in a terminal, and
 `python examples/gpt_cli.py fit --trainer.strategy.help SwarmStrategy` shows them as LightningCLI flags.
 """
 

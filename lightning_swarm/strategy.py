@@ -18,12 +18,12 @@ This file is the table of contents. Each step of SWARM lives in its own module:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import multiprocessing
 import os
 import random
-import re
 import signal
 import threading
 import time
@@ -39,28 +39,27 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from lightning_swarm import checkpointing, discovery, partitioning, rebalancing, security, transport
+from lightning_swarm import checkpointing, discovery, partitioning, rebalancing, security, settings, transport
 from lightning_swarm.callbacks import dispatch
 from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY
-from lightning_swarm.client.remote_pipeline import RemotePipeline, check_microbatches
+from lightning_swarm.client.remote_pipeline import RemotePipeline
 from lightning_swarm.client.routing import StageRouter
-from lightning_swarm.compression import Codec, check_codec
+from lightning_swarm.compression import Codec
 from lightning_swarm.discovery import Announcer, PeerRecord, PeerState
 from lightning_swarm.errors import StageUnavailableError
 from lightning_swarm.events import EventQueue, PeerJoined, PeerLeft, StageChanged, StageStep
-from lightning_swarm.node import LOOPBACK_MADDRS, SwarmNode, kill_daemon
+from lightning_swarm.node import SwarmNode, kill_daemon
 from lightning_swarm.optimizer import restrict_to, swarm_optimizer
 from lightning_swarm.precision import check_precision
 from lightning_swarm.rebalancing import Move, Plan, Rebalancer
 from lightning_swarm.security import AccessPolicy
 from lightning_swarm.server.stage_server import StageServer
+from lightning_swarm.settings import Role, SwarmSettings
 from lightning_swarm.transport import DirectServer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-Role = Literal["both", "serve", "drive"]
-ENV_PREFIX = "SWARM_"
 LEAVE_GRACE = 10.0  # seconds a peer leaving its stage keeps answering the requests already sent to it
 
 
@@ -72,81 +71,11 @@ class SwarmStrategy(Strategy):
     one stage and, by default, also drives its own batches through the swarm. Modules outside the pipeline stay
     local and are trained data-parallel across the driving peers.
 
-    Arguments left as ``None`` are read from environment variables named ``SWARM_<ARGUMENT>`` in upper case
-    (``SWARM_RUN_ID``, ``SWARM_INITIAL_PEERS``, ``SWARM_NUM_STAGES``, ``SWARM_ROLE``, ...), so that
-    ``Trainer(strategy="swarm")`` can be configured from the shell. Lists are comma separated.
+    Every argument is a :class:`~lightning_swarm.settings.SwarmSettings` field (``self.settings``); one left as
+    ``None`` is read from the environment variable ``SWARM_<ARGUMENT>`` in upper case (``SWARM_RUN_ID``,
+    ``SWARM_INITIAL_PEERS``, ``SWARM_NUM_STAGES``, ``SWARM_ROLE``, ...), so that ``Trainer(strategy="swarm")`` can
+    be configured from the shell. Lists are comma separated.
 
-    Args:
-        run_id: name of the swarm; peers with the same ``run_id`` train together (letters, digits, ``_``, ``-``).
-        num_stages: number of pipeline stages. Every peer of a run must use the same value.
-        initial_peers: multiaddrs of any live peers (``/ip4/.../tcp/.../p2p/...``). None or empty: start a new
-            swarm and log the address others join with.
-        pipeline: attribute name of the ``nn.Sequential`` to cut into stages. None: the direct child
-            ``nn.Sequential`` with the most parameters.
-        role: ``"both"`` serves a stage and trains on this process's data; ``"serve"`` only serves (``fit`` serves
-            until the process receives SIGTERM or SIGINT); ``"drive"`` only sends its batches through the swarm.
-        stage: the stage to serve. None: the stage with the fewest peers when this peer joins.
-        target_batch_size: samples (summed over the swarm) after which a stage, and the local parameters, take an
-            optimizer step. None: the batch size of the datamodule (``datamodule.batch_size``).
-        compression: codec for activations and their gradients between stages: ``"8bit"`` (blockwise),
-            ``"float16"`` or ``"none"``.
-        delayed_updates: a stage's all-reduce and optimizer step run in the background while its peer keeps
-            serving with the previous parameters; the new ones serve from the first forward after the step
-            finished (one step of staleness at most, only for work done during the step). Default True.
-        microbatches: a training batch is split into this many microbatches that travel through the stages
-            concurrently, so that one trainer keeps several stages busy and transfers overlap compute (loss and
-            gradients equal the unsplit batch's). Uses the largest divisor of the batch size not above it.
-            Default ``"auto"``: two per stage (``2 * num_stages``), each of at least one sample.
-        checkpoint_activations: a stage server keeps only each block's input from a training forward and
-            recomputes the block in backward (activation checkpointing): memory stays flat with many microbatches in
-            flight, for about one more forward of compute. Default False.
-        max_activation_bytes: memory a stage server spends on keeping training forwards' activations until their
-            backward arrives, so that backward computes no forward again (what autograd saved, counted as it saves
-            it). Beyond it (or after ``activation_timeout`` seconds) the oldest are dropped and their backward
-            recomputes. None or ``"auto"``: half of the GPU's free memory once the stage is loaded (peers sharing
-            a GPU should set it), 1 GiB on the CPU.
-        activation_timeout: seconds a stage server keeps a forward's activations. Default 120.
-        host_maddrs: multiaddrs to listen on. Default: loopback only; use ``/ip4/0.0.0.0/tcp/<port>`` to accept
-            peers from other machines.
-        announce_maddrs: multiaddrs other peers should dial (e.g. a public IP), when they differ from host_maddrs.
-        direct_path: activations and gradients travel on a direct TCP connection (ZeroMQ) between a trainer and a
-            stage server instead of through libp2p's daemon (several times faster); every connection first proves
-            the swarm's membership over libp2p. Payloads are not encrypted on it: see docs/multi_machine.md. A peer
-            whose direct address cannot be reached is called over libp2p. Default True.
-        direct_port: TCP port of this peer's direct path, on the IP of ``host_maddrs`` (advertised with the IP of
-            ``announce_maddrs`` when given). Default 0: any free port.
-        identity_path: file holding this peer's private key, for a stable peer id (created if missing).
-        allowed_peers: peer ids (or files listing one per line) of the only peers this peer talks to: the stage
-            servers, the DHT and the averagers of this peer refuse every other caller. Needs ``identity_path``,
-            whose peer id must be on the list (``lightning_swarm.security.create_identity(path)`` returns it).
-            See docs/private_swarm.md. None: anyone who can reach the swarm may join.
-        secret: a secret shared by the swarm's peers: DHT records and stage requests must carry an HMAC under it.
-            Prefer ``secret_path`` (a secret given as an argument may end up in logs or configs).
-        secret_path: file holding the swarm's secret (its bytes, surrounding whitespace stripped).
-        address_file: if set, this peer writes its multiaddrs there (one per line) once it is reachable.
-        matchmaking_time: seconds peers spend forming an all-reduce group before a step. Default 5.
-        averaging_timeout: seconds after which an all-reduce gives up and the peer steps with its own gradients.
-            Default 30.
-        request_timeout: seconds to wait for a stage's reply before trying another peer of the stage. Default 60.
-        max_retries: attempts on other peers before a microbatch's stage is reported unavailable. Default 5.
-        stage_wait_timeout: seconds a trainer waits, during training, for a stage that has no live peer at all (all
-            left or died) to be served again, logging which stage it waits for, before it stops with
-            ``StageUnavailableError``. Default 300.
-        ban_timeout: seconds a peer that failed a call is not chosen again (doubling on repeated failures). Default 15.
-        update_period: seconds between refreshes of this peer's DHT record. Default 10.
-        join_timeout: seconds a driving peer waits for every stage to have a live peer before training. Default 300.
-        linger: longest time, in seconds, a serving peer that finished training keeps serving while other peers are
-            still training (so that finishing first does not strand them). Default 300.
-        max_queue: requests a stage server keeps waiting; beyond that it answers "busy". Default 64.
-        max_request_bytes: largest request a stage server accepts. Default 256 MiB.
-        leave_timeout: after SIGTERM or SIGINT, the longest time in seconds this peer takes to leave: it finishes
-            the current step, announces it is leaving, answers the requests already sent to it and stops its
-            helper processes; past this time it kills them (p2pd included) and exits with code 1. Default 60.
-        rebalance_period: seconds between two rebalancing rounds, in which a serving peer may move from a stage
-            with spare capacity to the bottleneck stage (see :mod:`~lightning_swarm.rebalancing`); 0 turns
-            rebalancing off. ``stage`` is then only where a peer starts. Default 60.
-        throttle: slow this peer's stage server down by this factor on purpose (e.g. 3: a third of its speed), to
-            show or test a swarm of unequal peers on one machine. Default 1.
     """
 
     strategy_name = "swarm"
@@ -191,56 +120,7 @@ class SwarmStrategy(Strategy):
         throttle: Optional[float] = None,
     ) -> None:
         super().__init__()
-        self.run_id = _setting("run_id", run_id, str, "swarm")
-        if not re.fullmatch(r"[A-Za-z0-9_-]+", self.run_id):
-            raise ValueError(f"run_id={self.run_id!r}: use only letters, digits, '_' and '-'")
-        self.num_stages = _setting("num_stages", num_stages, int, 2)
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be at least 1, got {self.num_stages}")
-        self.initial_peers = _setting("initial_peers", initial_peers, _as_list, [])
-        self.pipeline = _setting("pipeline", pipeline, str, None)
-        self.role: str = _setting("role", role, str, "both")
-        if self.role not in ("both", "serve", "drive"):
-            raise ValueError(f"role={self.role!r}: choose 'both', 'serve' or 'drive'")
-        self.stage = _setting("stage", stage, int, None)
-        if self.stage is not None and not 0 <= self.stage < self.num_stages:
-            raise ValueError(f"stage={self.stage} is not one of the {self.num_stages} stages")
-        self.target_batch_size = _setting("target_batch_size", target_batch_size, int, None)
-        self.compression = check_codec(_setting("compression", compression, str, "8bit"))
-        self.delayed_updates = _setting("delayed_updates", delayed_updates, _flag, True)
-        self.microbatches = _setting("microbatches", microbatches, check_microbatches, "auto")
-        self.checkpoint_activations = _setting("checkpoint_activations", checkpoint_activations, _flag, False)
-        self.max_activation_bytes = _setting("max_activation_bytes", max_activation_bytes, _bytes_or_auto, None)
-        self.activation_timeout = _setting("activation_timeout", activation_timeout, float, 120.0)
-        self.host_maddrs = _setting("host_maddrs", host_maddrs, _as_list, list(LOOPBACK_MADDRS))
-        self.announce_maddrs = _setting("announce_maddrs", announce_maddrs, _as_list, [])
-        self.direct_path = _setting("direct_path", direct_path, _flag, True)
-        self.direct_port = _setting("direct_port", direct_port, int, 0)
-        if not 0 <= self.direct_port < 2**16:
-            raise ValueError(f"direct_port must be a TCP port (0: any free port), got {self.direct_port}")
-        self.identity_path = _setting("identity_path", identity_path, str, None)
-        self.allowed_peers = _setting("allowed_peers", allowed_peers, _as_list, None)
-        self.secret = _setting("secret", secret, str, None)
-        self.secret_path = _setting("secret_path", secret_path, str, None)
-        self.address_file = _setting("address_file", address_file, str, None)
-        self.matchmaking_time = _setting("matchmaking_time", matchmaking_time, float, 5.0)
-        self.averaging_timeout = _setting("averaging_timeout", averaging_timeout, float, 30.0)
-        self.request_timeout = _setting("request_timeout", request_timeout, float, 60.0)
-        self.max_retries = _setting("max_retries", max_retries, int, 5)
-        self.stage_wait_timeout = _setting("stage_wait_timeout", stage_wait_timeout, float, 300.0)
-        self.ban_timeout = _setting("ban_timeout", ban_timeout, float, 15.0)
-        self.update_period = _setting("update_period", update_period, float, 10.0)
-        self.join_timeout = _setting("join_timeout", join_timeout, float, 300.0)
-        self.linger = _setting("linger", linger, float, 300.0)
-        self.max_queue = _setting("max_queue", max_queue, int, 64)
-        self.max_request_bytes = _setting("max_request_bytes", max_request_bytes, int, 256 * 2**20)
-        self.leave_timeout = _setting("leave_timeout", leave_timeout, float, 60.0)
-        self.rebalance_period = _setting("rebalance_period", rebalance_period, float, 60.0)
-        if self.rebalance_period < 0:
-            raise ValueError(f"rebalance_period must be positive (or 0: off), got {self.rebalance_period}")
-        self.throttle = _setting("throttle", throttle, float, 1.0)
-        if self.throttle < 1:
-            raise ValueError(f"throttle must be at least 1 (a slowdown factor), got {self.throttle}")
+        self.settings = SwarmSettings.from_env(**{k: v for k, v in locals().items() if k in settings.names()})
         self.parallel_devices: Optional[list[torch.device]] = None  # filled in by Lightning's connector
 
         self.node: Optional[SwarmNode] = None
@@ -267,6 +147,13 @@ class SwarmStrategy(Strategy):
         self._move_lock = threading.Lock()
         self._leave_deadline: Optional[threading.Timer] = None  # started by the first SIGTERM or SIGINT
         self.rebalances = 0  # stage changes this peer saw (its own included)
+
+    def __getattr__(self, name: str) -> Any:
+        """The settings read as the strategy's attributes (``strategy.run_id``)."""
+        found = self.__dict__.get("settings")
+        if found is not None and name in settings.names():
+            return getattr(found, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -927,7 +814,7 @@ class SwarmStrategy(Strategy):
                     "Set target_batch_size (or SWARM_TARGET_BATCH_SIZE): the samples, summed over the swarm, "
                     "after which the swarm takes an optimizer step"
                 )
-            self.target_batch_size = batch_size
+            self.settings = dataclasses.replace(self.settings, target_batch_size=batch_size)
         return self.target_batch_size
 
     def _wait_for_stages(self) -> None:
@@ -1002,33 +889,4 @@ class SwarmStrategy(Strategy):
         signal.signal(signal.SIGINT, request_stop)
 
 
-def _as_list(value: Union[str, list[str]]) -> list[str]:
-    if isinstance(value, str):
-        return [item.strip() for item in value.replace(" ", ",").split(",") if item.strip()]
-    return list(value)
-
-
-def _bytes_or_auto(value: Union[int, str]) -> Optional[int]:
-    """A byte count, or None for ``"auto"`` (the component picks it)."""
-    return None if str(value).strip().lower() == "auto" else int(value)
-
-
-def _flag(value: Union[bool, str]) -> bool:
-    if isinstance(value, bool):
-        return value
-    word = str(value).strip().lower()
-    if word in ("1", "true", "yes", "on"):
-        return True
-    if word in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected a boolean (true/false, 1/0, yes/no, on/off), got {value!r}")
-
-
-def _setting(name: str, value: Any, cast: Callable[[Any], T], default: Any) -> Any:
-    """An argument's value: the one given, else the environment variable SWARM_<NAME>, else the default."""
-    if value is not None:
-        return cast(value)
-    env = os.environ.get(ENV_PREFIX + name.upper())
-    if env is not None and env != "":
-        return cast(env)
-    return default
+SwarmStrategy.__doc__ += "\n" + settings.args_section()  # the settings' docstrings, for LightningCLI's help
