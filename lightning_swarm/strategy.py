@@ -27,6 +27,7 @@ import random
 import signal
 import threading
 import time
+from functools import partial
 from typing import Any, Callable, Generator, Literal, Optional, TypeVar, Union
 
 import torch
@@ -39,28 +40,23 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from lightning_swarm import checkpointing, discovery, partitioning, rebalancing, security, settings, transport
+from lightning_swarm import checkpointing, discovery, partitioning, rebalancing, security, settings
 from lightning_swarm.callbacks import dispatch
 from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY
 from lightning_swarm.client.remote_pipeline import RemotePipeline
 from lightning_swarm.client.routing import StageRouter
 from lightning_swarm.compression import Codec
-from lightning_swarm.discovery import Announcer, PeerRecord, PeerState
 from lightning_swarm.errors import StageUnavailableError
-from lightning_swarm.events import EventQueue, PeerJoined, PeerLeft, StageChanged, StageStep
+from lightning_swarm.events import EventQueue
 from lightning_swarm.node import SwarmNode, kill_daemon
-from lightning_swarm.optimizer import restrict_to, swarm_optimizer
+from lightning_swarm.optimizer import SwarmOptimizer, restrict_to, swarm_optimizer
 from lightning_swarm.precision import check_precision
-from lightning_swarm.rebalancing import Move, Plan, Rebalancer
 from lightning_swarm.security import AccessPolicy
-from lightning_swarm.server.stage_server import StageServer
+from lightning_swarm.server.stage_host import Stage, StageHost
 from lightning_swarm.settings import Role, SwarmSettings
-from lightning_swarm.transport import DirectServer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-LEAVE_GRACE = 10.0  # seconds a peer leaving its stage keeps answering the requests already sent to it
 
 
 class SwarmStrategy(Strategy):
@@ -125,28 +121,17 @@ class SwarmStrategy(Strategy):
 
         self.node: Optional[SwarmNode] = None
         self.router: Optional[StageRouter] = None
-        self.server: Optional[StageServer] = None
-        self._direct: Optional[DirectServer] = None  # the direct path's listener, started with the first stage served
-        self._direct_address = ""  # host:port others dial for it
-        self.served_stage: Optional[int] = None
-        self._stage_module: Optional[nn.Module] = None  # the blocks of the served stage, kept across runs
-        self._announcer: Optional[Announcer] = None
-        self._joining = False  # serving a stage whose state is still being downloaded
-        self._stage_optimizer = None
+        self.host: Optional[StageHost] = None  # the serving side, from setup to teardown
+        self.events = EventQueue()
+        self._stage: Optional[Stage] = None  # the blocks this peer serves, kept across runs
         self._spans: list[partitioning.StageSpan] = []
         self._pipeline_name: Optional[str] = None
-        self._batch_size: Optional[int] = None
-        self._stop_requested = threading.Event()
-        self._training = False
-        self._layout: Optional[dict] = None  # stage count and spans, published for peers and tools
         self._blueprint: Optional[nn.Sequential] = None  # the whole pipeline, blocks of other stages on meta
-        self.events = EventQueue()
-        self._watcher: Optional[discovery.SwarmWatcher] = None
-        self._rebalancer: Optional[Rebalancer] = None
-        self._pending_move: Optional[tuple[Move, Plan]] = None
-        self._move_lock = threading.Lock()
+        self._batch_size: Optional[int] = None
+        self._checkpoint_stage_optimizers: Optional[dict] = None  # from fit(ckpt_path=...), for the stage served
+        self._written_checkpoints: set[str] = set()
+        self._stop_requested = threading.Event()
         self._leave_deadline: Optional[threading.Timer] = None  # started by the first SIGTERM or SIGINT
-        self.rebalances = 0  # stage changes this peer saw (its own included)
 
     def __getattr__(self, name: str) -> Any:
         """The settings read as the strategy's attributes (``strategy.run_id``)."""
@@ -264,27 +249,23 @@ class SwarmStrategy(Strategy):
         if fitting and self.role != "serve":
             self._wrap_local_optimizer(trainer)
         if self.role == "drive":
-            self._announcer = self._make_announcer()
-            self._announcer.start()
+            self.host.announce_driver()
         if self.role != "serve":
             self._wait_for_stages()
         if fitting and self.role == "serve":
             self._serve_until_stopped(trainer)
 
+    @property
+    def served_stage(self) -> Optional[int]:
+        """The stage this peer serves (None: it only drives)."""
+        return None if self._stage is None else self._stage.index
+
     def on_train_start(self) -> None:
-        self._set_training(True)
+        self.host.set_training(True)
 
     def on_train_end(self) -> None:
         self._service()
-        if self._rebalancer is not None:
-            self._rebalancer.paused.set()  # about to leave: a move would only cost the swarm a download
-        self._set_training(False)
-
-    def _set_training(self, training: bool) -> None:
-        """Tell the swarm whether this peer still trains: serving peers that finished wait for it."""
-        self._training = training
-        if self._announcer is not None:
-            self._announcer.announce()
+        self.host.set_training(False)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._batch_size = extract_batch_size(batch)
@@ -329,11 +310,12 @@ class SwarmStrategy(Strategy):
             return
         prefix = self._pipeline_name + "."
         module.load_state_dict({k: v for k, v in state.items() if not k.startswith(prefix)}, strict=False)
-        if self._stage_module is not None:
-            span = self._spans[self.served_stage]
-            stage_state = checkpointing.stage_state(state, self._pipeline_name, span, self._stage_module)
-            with self.server.lock if self.server is not None else contextlib.nullcontext():
-                self._stage_module.load_state_dict(stage_state, strict=strict)
+        if self._stage is not None:
+            stage_state = self._stage.state_from(state)
+            if self.host is not None:
+                self.host.load_state(stage_state, strict)
+            else:
+                self._stage.module.load_state_dict(stage_state, strict=strict)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write ``filepath`` unless another peer of the swarm writes the same path now (see
@@ -343,29 +325,9 @@ class SwarmStrategy(Strategy):
         if "optimizer_states" in checkpoint and self.router is not None and self._pipeline_name is not None:
             checkpoint[STAGE_OPTIMIZERS_KEY] = self._gather_stage_optimizers()
         super().save_checkpoint(checkpoint, filepath, storage_options)
-        self.__dict__.setdefault("_written_checkpoints", set()).add(os.path.abspath(str(filepath)))
+        self._written_checkpoints.add(os.path.abspath(str(filepath)))
         if self.node is not None:  # where a stage that loses all its peers is restored from
             checkpointing.announce(self.node, self.run_id, str(filepath), checkpoint.get("global_step"))
-
-    def _restore_from_latest_checkpoint(self, stage: int) -> None:
-        """A stage without live peers in a swarm that saved a checkpoint lost its peers: restore it from the
-        latest checkpoint the swarm announced, if this machine can read that file."""
-        found = checkpointing.find_latest(self.node, self.run_id)
-        if found is None:
-            return  # the swarm never saved a checkpoint: the stage starts from its initialisation
-        path = str(found.get("path"))
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            state, span = checkpoint["state_dict"], self._spans[stage]
-            stage_state = checkpointing.stage_state(state, self._pipeline_name, span, self._stage_module)
-        except Exception as e:
-            log.warning("Stage %d has no live peer and could not be restored from checkpoint %s: %r", stage, path, e)
-            return
-        with self.server.lock:
-            self._stage_module.load_state_dict(stage_state)
-        self._checkpoint_stage_optimizers = checkpoint.get(STAGE_OPTIMIZERS_KEY)
-        self._load_stage_optimizer()
-        log.warning("Stage %d had no live peer: restored from checkpoint %s (step %s)", stage, path, found.get("step"))
 
     def _gather_stage_optimizers(self) -> dict[int, dict]:
         """The optimizer state dict of every stage, from this peer or a live peer of the stage (stages whose state
@@ -373,9 +335,8 @@ class SwarmStrategy(Strategy):
         states = {}
         for span in self._spans:
             try:
-                if self.server is not None and self.served_stage == span.index and self._stage_optimizer is not None:
-                    with self.server.lock:
-                        state = checkpointing.copy_state(self._stage_optimizer.state_dict())
+                if self.host is not None and self.host.serves(span.index) and self.host.stage.optimizer is not None:
+                    state = self.host.optimizer_state()
                 else:
                     raw = self.router.fetch_state(span.index, optimizer=True)["optimizer"]
                     state = torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=True)
@@ -385,19 +346,10 @@ class SwarmStrategy(Strategy):
             states[span.index] = checkpointing.optimizer_state(state)
         return states
 
-    def _load_stage_optimizer(self) -> None:
-        """Seed the served stage's optimizer from the checkpoint given to ``fit(ckpt_path=...)``, if it has it."""
-        saved = (getattr(self, "_checkpoint_stage_optimizers", None) or {}).get(self.served_stage)
-        if saved is None or self._stage_optimizer is None:
-            return
-        self._stage_optimizer.load_state_dict(checkpointing.optimizer_state(saved))
-        log.warning("Stage %d: optimizer state loaded from the checkpoint", self.served_stage)
-
     def remove_checkpoint(self, filepath: Any) -> None:
         """Remove only checkpoints this peer wrote: another peer's ``ModelCheckpoint`` must not delete them."""
-        written = self.__dict__.setdefault("_written_checkpoints", set())
-        if os.path.abspath(str(filepath)) in written:
-            written.discard(os.path.abspath(str(filepath)))
+        if os.path.abspath(str(filepath)) in self._written_checkpoints:
+            self._written_checkpoints.discard(os.path.abspath(str(filepath)))
             super().remove_checkpoint(filepath)
 
     def claim_checkpoint(self, filepath: str, ttl: float = 60.0) -> bool:
@@ -408,22 +360,16 @@ class SwarmStrategy(Strategy):
 
     def fetch_stage_state(self, stage: int) -> dict[str, torch.Tensor]:
         """The current state dict of ``stage`` (stage-local keys), from this peer or a live peer of the stage."""
-        if self.server is not None and self.served_stage == stage:
-            return self.server.state_dict()
+        if self.host is not None and self.host.serves(stage):
+            return self.host.stage_state()
         return self.router.fetch_state(stage)
 
     def teardown(self) -> None:
-        if self.server is not None and self.role != "serve":
-            self._linger()
-        for thread in (self._rebalancer, self._watcher):
-            if thread is not None:
-                thread.stop()
-        self._rebalancer = self._watcher = None
-        if self.server is not None:
-            self._stop_serving()
-        elif self._announcer is not None:
-            self._announcer.stop(final=self._record(PeerState.LEAVING))
-            self._announcer = None
+        if self.host is not None:
+            if self.host.server is not None and self.role != "serve":
+                self.host.linger(self._service)
+            self.host.close()
+            self.host = None
         for opt in self.optimizers:
             shutdown = getattr(opt, "shutdown", None)
             if shutdown is not None:
@@ -435,10 +381,6 @@ class SwarmStrategy(Strategy):
         if self.router is not None:
             self.router.close()
         self.router = None
-        if self._direct is not None:
-            with contextlib.suppress(Exception):
-                self.node.run(self._direct.stop(self.node.p2p), timeout=5)
-            self._direct, self._direct_address = None, ""
         if self.node is not None:
             self.node.shutdown()
             self.node = None
@@ -459,13 +401,19 @@ class SwarmStrategy(Strategy):
             self._partition(module)
         layout = {"num_stages": self.num_stages, "spans": [[s.start, s.end] for s in self._spans]}
         layout["precision"] = self.precision_plugin.precision  # peers computing in another precision are refused
-        self._layout = layout
-        discovery.check_run_meta(self.node, self.run_id, layout, ttl=max(60.0, 6 * self.update_period))
-        if self._stage_module is not None:
+        self.host = StageHost(
+            self.node,
+            self.settings,
+            layout,
+            self.root_device,
+            self.events,
+            self._stop_requested,
+            build_stage=partial(self._build_stage, train=True),  # moves happen while fitting
+        )
+        if self._stage is not None:
             if fitting:
-                self._stage_optimizer = self._build_stage_optimizer(trainer)
-                self._load_stage_optimizer()
-            self._start_server()
+                self._stage.optimizer = self._stage_optimizer(self._stage.module, self._stage.index)
+            self.host.serve(self._stage, self._checkpoint_stage_optimizers)
 
         self.router = StageRouter(
             self.node,
@@ -479,11 +427,11 @@ class SwarmStrategy(Strategy):
             stop=self._stop_requested,
             direct=self.direct_path,
         )
-        self.router.local_server = self.server
+        self.host.use_router(self.router)
         self.router.on_event = self.events.emit
         remote = RemotePipeline(self.router, self.compression, self.microbatches, loss_scale=self._loss_scale)
         setattr(module, self._pipeline_name, remote)
-        self._watch_swarm(rebalance=fitting and self.server is not None and self.rebalance_period > 0)
+        self.host.watch(rebalance=fitting and self.host.server is not None and self.rebalance_period > 0)
 
     def _partition(self, module: LightningModule) -> None:
         """Balance the stages, keep this peer's stage and drop the other blocks (never allocated on meta)."""
@@ -495,22 +443,25 @@ class SwarmStrategy(Strategy):
         self._pipeline_name = partitioning.find_pipeline(module, self.pipeline)
         self._blueprint = getattr(module, self._pipeline_name)
         self._spans = partitioning.balance_by_parameters(list(self._blueprint), self.num_stages)
-        if self.role != "drive":
-            self.served_stage = self._choose_stage()
+        served = self._choose_stage() if self.role != "drive" else None
         for span in self._spans:
-            if span.index != self.served_stage:
+            if span.index != served:
                 partitioning.stage_module(self._blueprint, span).to("meta")  # keeps their shapes, frees their memory
-        if self.served_stage is not None:
-            self._stage_module = self._materialize_stage(self.served_stage)
+        if served is not None:
+            self._build_stage(served, train=False)
         setattr(module, self._pipeline_name, nn.Identity())  # placeholder until the RemotePipeline takes its place
         _materialize_meta_tensors(module, self.root_device)  # the local modules, if built on the meta device
 
-    def _materialize_stage(self, stage: int) -> nn.Module:
+    def _build_stage(self, stage: int, train: bool) -> Stage:
         """The blocks of ``stage`` on this peer's device (freshly initialised if they were on the meta device), in
-        the dtype of the Trainer's precision (``-true``), as Lightning converts the whole model in plain training."""
+        the dtype of the Trainer's precision (``-true``), as Lightning converts the whole model in plain training;
+        with their optimizer if ``train``. This peer serves it from now on."""
         blocks = partitioning.stage_module(self._blueprint, self._spans[stage])
         _materialize_meta_tensors(blocks, self.root_device)
-        return self.precision_plugin.convert_module(blocks).to(self.root_device)
+        module = self.precision_plugin.convert_module(blocks).to(self.root_device)
+        optimizer = self._stage_optimizer(module, stage) if train else None
+        self._stage = Stage(self._spans[stage], module, optimizer, self._pipeline_name)
+        return self._stage
 
     def _loss_scale(self) -> Optional[float]:
         """The current scale of the Trainer's GradScaler (``16-mixed``), sent with gradients to stage servers."""
@@ -524,262 +475,52 @@ class SwarmStrategy(Strategy):
         lowest = rebalancing.bottleneck(discovery.fetch_swarm(self.node, self.run_id, self.num_stages))
         return random.Random().choice(lowest)  # OS-seeded
 
-    def _build_stage_optimizer(self, trainer: Trainer) -> Any:
+    def _stage_optimizer(self, stage_module: nn.Module, stage: int) -> SwarmOptimizer:
         """The user's optimizer (class and per-group hyper-parameters) over this stage's parameters.
 
         ``configure_optimizers`` runs with the stage in the pipeline's place, so that ``self.parameters()``
         covers exactly the local modules and this stage.
         """
         module, pipeline = self.lightning_module, getattr(self.lightning_module, self._pipeline_name)
-        setattr(module, self._pipeline_name, self._stage_module)
+        setattr(module, self._pipeline_name, stage_module)
         try:
             optimizers, _ = _init_optimizers_and_lr_schedulers(module)
         finally:
             setattr(module, self._pipeline_name, pipeline)
         if len(optimizers) != 1:
             raise ValueError(f"SwarmStrategy supports one optimizer; configure_optimizers returned {len(optimizers)}")
-        stage_optimizer = restrict_to(optimizers[0], self._stage_module.parameters())
+        stage_optimizer = restrict_to(optimizers[0], stage_module.parameters())
         return swarm_optimizer(
             self.node.dht,
-            f"{self.run_id}_stage{self.served_stage}",
+            f"{self.run_id}_stage{stage}",
             stage_optimizer,
-            self._resolve_target_batch_size(trainer),
+            self._resolve_target_batch_size(self.lightning_module.trainer),
             self.matchmaking_time,
             self.averaging_timeout,
             delayed=self.delayed_updates,
         )
 
-    def _start_server(self) -> None:
-        stage = self.served_stage
-        optimizer = self._stage_optimizer
-        self.server = StageServer(
-            self.run_id,
-            stage,
-            self._stage_module,
-            self.root_device,
-            on_backward=self._stage_step if optimizer is not None else None,
-            on_idle=optimizer.follow_swarm if optimizer is not None else None,
-            refresh_parameters=optimizer.apply_finished_update if optimizer is not None else None,
-            idle_period=self.matchmaking_time / 4,
-            describe=optimizer.progress if optimizer is not None else None,
-            max_queue=self.max_queue,
-            max_request_bytes=self.max_request_bytes,
-            max_activation_bytes=self.max_activation_bytes,
-            activation_timeout=self.activation_timeout,
-            checkpoint_activations=self.checkpoint_activations,
-            throttle=self.throttle,
-            policy=self.node.policy,
-            optimizer_state=optimizer.state_dict if optimizer is not None else None,
-            precision=self.precision_plugin.precision,
-        )
-        self._joining = True
-        self._start_direct_path()
-        self._announcer = self._make_announcer()
-        self._announcer.start()  # the record stays fresh however long the download below takes
-        if self._stage_optimizer is not None:
-            self._take_stage_state(stage)
-        if self._stop_requested.is_set():
-            return  # told to leave while joining: never announced as serving, so nobody routes here
-        self.node.run(self.server.add_p2p_handlers(self.node.p2p, namespace=self.run_id))
-        self._joining = False
-        self._announcer.announce()
-        log.warning(
-            "Serving stage %d of %d (blocks %d..%d)",
-            stage,
-            self.num_stages,
-            self._spans[stage].start,
-            self._spans[stage].end - 1,
-        )
-
-    def _start_direct_path(self) -> None:
-        """Listen for direct requests (once per peer: it answers for whichever stage this peer serves)."""
-        if not self.direct_path or self._direct is not None:
-            return
-        host = transport.listen_host(self.host_maddrs)
-        self._direct = DirectServer(
-            self.run_id,
-            lambda: None if self._joining else self.server,
-            self.node.policy,
-            host,
-            self.direct_port,
-            self.max_request_bytes,
-        )
-        port = self.node.run(self._direct.start(self.node.p2p))
-        visible = self.node.visible_maddrs() if not self.announce_maddrs else []
-        announced = transport.announced_host(host, self.announce_maddrs, visible)
-        self._direct_address = f"[{announced}]:{port}" if ":" in announced else f"{announced}:{port}"
-        log.info("Direct tensor path on %s:%d, announced as %s", host, port, self._direct_address)
-
-    def _take_stage_state(self, stage: int) -> None:
-        """Before serving, download the stage's state from a peer serving it: this peer's blocks are freshly
-        initialised, and must not answer requests for a stage the others have trained. A failed download is
-        retried while the stage has serving peers (for at most join_timeout); a stage without any is restored from
-        the swarm's latest checkpoint, if there is one."""
-        deadline = time.monotonic() + self.join_timeout
-        while True:
-            records = discovery.fetch_stage(self.node, self.run_id, stage).values()
-            live = [record for record in records if record.state == PeerState.SERVING]
-            if not live:
-                self._restore_from_latest_checkpoint(stage)
-                return
-            log.warning("Stage %d is served by %d peer(s): downloading its current state", stage, len(live))
-            with self.server.lock:
-                at_swarm_epoch = self._stage_optimizer.load_state_from_peers()
-            if self._stage_optimizer.downloaded:
-                if not at_swarm_epoch:
-                    log.warning("Stage %d: the state downloaded is behind the swarm's; serving will catch up", stage)
-                return
-            if self._stop_requested.is_set():
-                return  # leaving: the caller does not serve
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"Stage {stage} of run {self.run_id!r}: could not download its state from the {len(live)} peer(s) "
-                    f"serving it within join_timeout={self.join_timeout:g}s; refusing to serve untrained blocks"
-                )
-            time.sleep(1.0)
-
-    def _stage_step(self, batch_size: int) -> None:
-        """Runs on the stage worker after each backward: accumulate, and step once the stage reached its target."""
-        epoch = self._stage_optimizer.local_epoch
-        self._stage_optimizer.step(batch_size=batch_size)
-        self._stage_optimizer.zero_grad()
-        if self._stage_optimizer.local_epoch > epoch:
-            self.events.emit(StageStep(self.served_stage, self._stage_optimizer.local_epoch))
-
-    def _stop_serving(self, grace: float = LEAVE_GRACE) -> None:
-        """Leave the served stage gracefully: announce it, give routers time to notice while the requests already
-        sent are answered (at most ``grace`` seconds), then stop the server and the stage optimizer."""
-        if self._announcer is not None:
-            self._announcer.stop(final=self._record(PeerState.LEAVING))
-            self._announcer = None
-        noticed = time.monotonic() + min(2.0, self.update_period) + 0.5  # routers re-read records this often
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and (time.monotonic() < noticed or self.server.busy()):
-            time.sleep(0.1)
-        with contextlib.suppress(Exception):
-            self.node.run(self.server.remove_p2p_handlers(self.node.p2p, namespace=self.run_id), timeout=5)
-        self.server.shutdown()
-        self.server = None
-        if self.router is not None:
-            self.router.local_server = None
-        if self._stage_optimizer is not None:
-            self._stage_optimizer.shutdown()
-            self._stage_optimizer = None
-
-    def _watch_swarm(self, rebalance: bool) -> None:
-        """Follow the swarm's records (for events and metrics) and, if asked, rebalance this peer."""
-        self._watcher = discovery.SwarmWatcher(
-            self.node, self.run_id, self.num_stages, self.update_period, self._on_swarm_change
-        )
-        self._watcher.start()
-        if rebalance:
-            self._rebalancer = Rebalancer(
-                str(self.node.peer_id), self.rebalance_period, lambda: self._watcher.latest, self._request_move
-            )
-            self._rebalancer.start()
-
-    def _on_swarm_change(self, kind: str, peer: str, before: Optional[PeerRecord], after: Optional[PeerRecord]) -> None:
-        if kind == "joined":
-            self.events.emit(PeerJoined(peer, after.stage))
-        elif kind == "left":
-            self.events.emit(PeerLeft(peer, before.stage, "announced" if after is not None else "record expired"))
-        elif peer != str(self.node.peer_id) and before.stage is not None and after.stage is not None:
-            self.rebalances += 1  # this peer's own moves are counted (with their reason) where they happen
-            self.events.emit(StageChanged(peer, before.stage, after.stage, "seen in the swarm's records"))
-
-    def _request_move(self, move: Move, plan: Plan) -> None:
-        with self._move_lock:
-            self._pending_move = (move, plan)
-
     def _service(self) -> None:
         """On the training (or serving) thread, between steps: carry out a planned move, then hand the queued
         swarm events to the callbacks."""
-        with self._move_lock:
-            pending, self._pending_move = self._pending_move, None
-        if pending is not None and not self._stop_requested.is_set():
-            self._move(*pending)
+        if self.host is not None:
+            self.host.carry_out_move()
         dispatch(self.lightning_module.trainer, self.events.drain())
-
-    def _move(self, move: Move, plan: Plan) -> None:
-        """Serve ``move.to_stage`` instead: leave the current stage gracefully, take the new stage's blocks, and
-        download its parameters, optimizer state and step from a live peer of it before serving."""
-        if self.served_stage != move.from_stage or self.server is None:
-            return
-        try:  # fresh records: never leave a stage without a peer, nor follow a peer that just left it
-            swarm = discovery.fetch_swarm(self.node, self.run_id, self.num_stages)
-        except Exception as e:
-            log.warning("Not moving to stage %d: could not read the swarm's records (%r)", move.to_stage, e)
-            return
-        records = swarm[move.from_stage].values()
-        if not any(r.state == PeerState.SERVING and r.peer_id != str(self.node.peer_id) for r in records):
-            log.warning("Not moving to stage %d: no other peer serves stage %d now", move.to_stage, move.from_stage)
-            return
-        if not self._rebalancer.confirms(move, plan, swarm):
-            log.warning("Not moving to stage %d: the swarm changed since the plan", move.to_stage)
-            return
-        self._rebalancer.paused.set()
-        try:
-            # a move, not a departure: the record lasts until the new stage's server announces it
-            self._announcer.announce(
-                self._record(PeerState.JOINING, stage=move.to_stage), ttl=2 * self.update_period + LEAVE_GRACE
-            )
-            self._stop_serving()
-            self._stage_module.to("meta")
-            self.served_stage = move.to_stage
-            self._stage_module = self._materialize_stage(move.to_stage)
-            self._stage_optimizer = self._build_stage_optimizer(self.lightning_module.trainer)
-            self._start_server()
-            self.router.local_server = self.server
-        finally:
-            self._rebalancer.moved()
-            self._rebalancer.paused.clear()
-        self.rebalances += 1
-        reason = f"stage {move.to_stage} is the bottleneck ({plan.current:.1f} samples/s swarm throughput)"
-        self.events.emit(StageChanged(str(self.node.peer_id), move.from_stage, move.to_stage, reason, plan.gain))
 
     def swarm_metrics(self) -> dict[str, float]:
         """The swarm as this peer sees it, for :class:`~lightning_swarm.callbacks.SwarmMonitor`."""
-        view = self._watcher.latest if self._watcher is not None and self._watcher.latest is not None else []
-        serving = [[r for r in stage.values() if r.state == PeerState.SERVING] for stage in view]
-        peers = {r.peer_id for stage in serving for r in stage} | set(self._watcher.drivers if self._watcher else ())
-        optimizer = self._stage_optimizer or (self.optimizers[0] if self.optimizers else None)
+        metrics = self.host.metrics() if self.host is not None else {"stage": float(-1), "peers": 0.0, "queue": 0.0}
+        stage_optimizer = self._stage.optimizer if self._stage is not None else None
+        optimizer = stage_optimizer or (self.optimizers[0] if self.optimizers else None)
         stats = self.router.stats if self.router is not None else None
-        metrics = {
-            "stage": float(-1 if self.served_stage is None else self.served_stage),
-            "peers": float(len(peers)),
+        return {
+            **metrics,
             "step": float(getattr(optimizer, "local_epoch", 0)),
-            "queue": float(self.server.info()["queued_samples"] if self.server is not None else 0),
             "bytes_sent": float(stats.bytes_sent if stats else 0),
             "bytes_received": float(stats.bytes_received if stats else 0),
             "compression_ratio": float(stats.raw_bytes_sent / stats.bytes_sent if stats and stats.bytes_sent else 1),
             "failovers": float(stats.failovers if stats else 0),
-            "rebalances": float(self.rebalances),
         }
-        for k, stage in enumerate(serving):
-            metrics[f"stage{k}_throughput"] = float(sum(r.throughput for r in stage))
-            metrics[f"stage{k}_peers"] = float(len(stage))
-        return metrics
-
-    def _make_announcer(self) -> Announcer:
-        return Announcer(
-            self.node,
-            self.run_id,
-            lambda: self._record(PeerState.JOINING if self._joining else PeerState.SERVING),
-            self.update_period,
-            self._layout,
-        )
-
-    def _record(self, state: PeerState, stage: Optional[int] = None) -> PeerRecord:
-        info = self.server.info() if self.server is not None and stage is None else {}
-        return PeerRecord(
-            str(self.node.peer_id),
-            self.served_stage if stage is None else stage,
-            state,
-            info.get("throughput", 0.0),
-            info.get("queued_samples", 0),
-            self._training,
-            self._direct_address if self.server is not None else "",
-        )
 
     def _wrap_local_optimizer(self, trainer: Trainer) -> None:
         if not self.optimizers:
@@ -839,20 +580,6 @@ class SwarmStrategy(Strategy):
         while not self._stop_requested.wait(0.5):
             self._service()
         trainer.should_stop = True
-
-    def _linger(self) -> None:
-        """Keep serving while other peers are still training, so that finishing first does not strand them."""
-        deadline = time.monotonic() + self.linger
-        while time.monotonic() < deadline and not self._stop_requested.is_set():
-            try:
-                others = discovery.training_peers(self.node, self.run_id, self.num_stages) - {str(self.node.peer_id)}
-            except Exception as e:
-                log.warning("Could not read the swarm while lingering: %r", e)
-                others = {"unknown"}
-            if not others:
-                return
-            self._service()
-            time.sleep(self.update_period / 2)
 
     def _leave_now(self) -> None:
         """The graceful exit took longer than ``leave_timeout``: stop every helper process and exit."""

@@ -172,5 +172,5 @@ def test_checkpoint_seeds_meta_blocks_and_a_cut_pipeline():
     strategy._partition(model)  # what setup does: keep stage 1, put a placeholder in the pipeline's place
     strategy.load_model_state_dict({"state_dict": saved})
     assert torch.equal(model.head.weight, saved["head.weight"])
-    stage = strategy._stage_module.state_dict()
+    stage = strategy._stage.module.state_dict()
     assert stage.keys() and all(torch.equal(stage[k], saved["blocks.1." + k.split(".", 1)[1]]) for k in stage)
