@@ -3,7 +3,8 @@ that lost all its peers finds the latest one.
 
 A swarm checkpoint is an ordinary Lightning checkpoint of the whole model (the local modules and every stage,
 gathered from live peers) plus, under ``STAGE_OPTIMIZERS_KEY``, each stage optimizer's state dict. One peer writes
-a given path (a claim in the DHT), and each checkpoint written is announced in the DHT.
+a given path (a claim in the DHT), and each checkpoint written is announced in the DHT: Lightning writes through
+:class:`SwarmCheckpointIO`, which gathers the stages only on the peer that writes.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import io
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+from lightning.fabric.plugins import CheckpointIO
 
 from lightning_swarm import partitioning
 from lightning_swarm.node import SwarmNode
@@ -91,3 +93,48 @@ def copy_state(state: dict) -> dict:
     torch.save(state, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)
+
+
+class SwarmCheckpointIO(CheckpointIO):
+    """Lightning's checkpoint writing for a swarm peer: every peer's ``ModelCheckpoint`` saves the complete model,
+    one of them is enough.
+
+    A path is written only by the peer that claims it (:func:`claim`; without a swarm, always), which then
+    ``complete``s the checkpoint (gathers every stage, and their optimizers, from live peers: the others never
+    gather), writes it with ``checkpoint_io`` and announces it (a stage that loses all its peers is restored from
+    the latest). A peer removes only the checkpoints it wrote: another peer's ``ModelCheckpoint`` must not delete
+    them.
+    """
+
+    def __init__(self, checkpoint_io: CheckpointIO, complete: Callable[[dict[str, Any]], None]) -> None:
+        self.checkpoint_io, self.complete = checkpoint_io, complete
+        self.node: Optional[SwarmNode] = None
+        self.run_id, self.settle = "", 1.0
+        self.written: set[str] = set()
+
+    def join(self, node: SwarmNode, run_id: str, settle: float) -> None:
+        """Claim and announce paths in this swarm from now on."""
+        self.node, self.run_id, self.settle = node, run_id, settle
+
+    def leave(self) -> None:
+        self.node = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        if self.node is not None and not claim(self.node, self.run_id, str(path), settle=self.settle):
+            return
+        self.complete(checkpoint)
+        self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
+        self.written.add(os.path.abspath(str(path)))
+        if self.node is not None:
+            announce(self.node, self.run_id, str(path), checkpoint.get("global_step"))
+
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, **kwargs: Any) -> dict[str, Any]:
+        return self.checkpoint_io.load_checkpoint(path, map_location, **kwargs)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        if os.path.abspath(str(path)) in self.written:
+            self.written.discard(os.path.abspath(str(path)))
+            self.checkpoint_io.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.checkpoint_io.teardown()

@@ -21,10 +21,8 @@ import contextlib
 import dataclasses
 import io
 import logging
-import multiprocessing
 import os
 import random
-import signal
 import threading
 import time
 from functools import partial
@@ -42,18 +40,18 @@ from torch import nn
 
 from lightning_swarm import checkpointing, discovery, partitioning, rebalancing, security, settings
 from lightning_swarm.callbacks import dispatch
-from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY
+from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY, SwarmCheckpointIO
 from lightning_swarm.client.remote_pipeline import RemotePipeline
 from lightning_swarm.client.routing import StageRouter
 from lightning_swarm.compression import Codec
 from lightning_swarm.errors import StageUnavailableError
 from lightning_swarm.events import EventQueue
-from lightning_swarm.node import SwarmNode, kill_daemon
+from lightning_swarm.node import SwarmNode
 from lightning_swarm.optimizer import SwarmOptimizer, restrict_to, swarm_optimizer
 from lightning_swarm.precision import check_precision
-from lightning_swarm.security import AccessPolicy
 from lightning_swarm.server.stage_host import Stage, StageHost
 from lightning_swarm.settings import Role, SwarmSettings
+from lightning_swarm.signals import SignalGuard
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -129,9 +127,8 @@ class SwarmStrategy(Strategy):
         self._blueprint: Optional[nn.Sequential] = None  # the whole pipeline, blocks of other stages on meta
         self._batch_size: Optional[int] = None
         self._checkpoint_stage_optimizers: Optional[dict] = None  # from fit(ckpt_path=...), for the stage served
-        self._written_checkpoints: set[str] = set()
-        self._stop_requested = threading.Event()
-        self._leave_deadline: Optional[threading.Timer] = None  # started by the first SIGTERM or SIGINT
+        self._stop_requested = threading.Event()  # set by a signal: finish the step, then leave
+        self._signals = SignalGuard(self._stop_requested, self.leave_timeout)
 
     def __getattr__(self, name: str) -> Any:
         """The settings read as the strategy's attributes (``strategy.run_id``)."""
@@ -183,10 +180,15 @@ class SwarmStrategy(Strategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._install_signal_handlers()
+        self._signals.install()
+        policy = security.peer_policy(self.allowed_peers, self.secret, self.secret_path, self.identity_path)
         self.node = SwarmNode(
-            self.initial_peers, self.host_maddrs, self.announce_maddrs, self.identity_path, policy=self._access_policy()
+            self.initial_peers, self.host_maddrs, self.announce_maddrs, self.identity_path, policy=policy
         ).start()
+        self._signals.daemon_pid = self.node.daemon_pid
+        if not isinstance(self.checkpoint_io, SwarmCheckpointIO):  # Lightning's default, or the user's plugin
+            self.checkpoint_io = SwarmCheckpointIO(self.checkpoint_io, self._complete_checkpoint)
+        self.checkpoint_io.join(self.node, self.run_id, settle=min(1.0, self.update_period))
         addresses = self.node.visible_maddrs()
         if self.address_file:
             with open(self.address_file + ".tmp", "w") as f:
@@ -196,25 +198,6 @@ class SwarmStrategy(Strategy):
         log.warning(
             "Swarm %r %s. Other peers join with:\n  SWARM_INITIAL_PEERS=%s", self.run_id, joined, ",".join(addresses)
         )
-
-    def _access_policy(self) -> Optional[AccessPolicy]:
-        """Who may talk to this peer, from ``allowed_peers``, ``secret`` and ``secret_path`` (None: anyone)."""
-        secret: Optional[Union[str, bytes]] = self.secret
-        if self.secret_path:
-            with open(self.secret_path, "rb") as f:
-                secret = f.read().strip()
-            if not secret:
-                raise ValueError(f"secret_path={self.secret_path!r} is empty")
-        policy = AccessPolicy.create(self.allowed_peers, secret)
-        if policy is not None and policy.allowed is not None:
-            if not self.identity_path:
-                raise ValueError("allowed_peers needs identity_path: this peer's stable identity, which must be listed")
-            own = security.create_identity(self.identity_path)
-            if own not in policy.allowed:
-                raise ValueError(f"This peer's id {own} (identity_path={self.identity_path!r}) is not on allowed_peers")
-        if policy is not None:
-            log.warning("Private swarm: %r", policy)
-        return policy
 
     @contextlib.contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
@@ -276,22 +259,6 @@ class SwarmStrategy(Strategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         return super().optimizer_step(optimizer, closure, model, batch_size=self._batch_size, **kwargs)
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The complete model: local modules plus every stage's current state, gathered from live peers."""
-        state = super().lightning_module_state_dict()
-        if self._pipeline_name is None:
-            return state
-        if self.router is None:
-            raise RuntimeError(
-                "The complete model is gathered from the swarm: save checkpoints while this peer is in it (during "
-                "fit, e.g. with ModelCheckpoint or in on_train_end), not after fit/validate/test returned"
-            )
-        state = {k: v for k, v in state.items() if not k.startswith(self._pipeline_name + ".")}
-        for span in self._spans:
-            for key, tensor in self.fetch_stage_state(span.index).items():
-                state[partitioning.stage_state_key(self._pipeline_name, span, key)] = tensor
-        return state
-
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Load a checkpoint (``fit(ckpt_path=...)``): every stage this peer serves is seeded from it.
 
@@ -317,18 +284,6 @@ class SwarmStrategy(Strategy):
             else:
                 self._stage.module.load_state_dict(stage_state, strict=strict)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write ``filepath`` unless another peer of the swarm writes the same path now (see
-        :meth:`claim_checkpoint`): every peer's ``ModelCheckpoint`` saves the complete model, one of them is enough."""
-        if self.node is not None and not self.claim_checkpoint(str(filepath)):
-            return
-        if "optimizer_states" in checkpoint and self.router is not None and self._pipeline_name is not None:
-            checkpoint[STAGE_OPTIMIZERS_KEY] = self._gather_stage_optimizers()
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-        self._written_checkpoints.add(os.path.abspath(str(filepath)))
-        if self.node is not None:  # where a stage that loses all its peers is restored from
-            checkpointing.announce(self.node, self.run_id, str(filepath), checkpoint.get("global_step"))
-
     def _gather_stage_optimizers(self) -> dict[int, dict]:
         """The optimizer state dict of every stage, from this peer or a live peer of the stage (stages whose state
         cannot be had are left out, with a warning: their optimizers restart on resume)."""
@@ -346,11 +301,22 @@ class SwarmStrategy(Strategy):
             states[span.index] = checkpointing.optimizer_state(state)
         return states
 
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Remove only checkpoints this peer wrote: another peer's ``ModelCheckpoint`` must not delete them."""
-        if os.path.abspath(str(filepath)) in self._written_checkpoints:
-            self._written_checkpoints.discard(os.path.abspath(str(filepath)))
-            super().remove_checkpoint(filepath)
+    def _complete_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Add every stage's current state, and with the optimizers' states each stage optimizer's, gathered from
+        this peer and live peers, to a checkpoint this peer writes (Lightning's state dict holds the local modules)."""
+        if self._pipeline_name is None:
+            return  # the pipeline was not cut yet: the state dict holds the whole model
+        if self.router is None:
+            raise RuntimeError(
+                "The complete model is gathered from the swarm: save checkpoints while this peer is in it (during "
+                "fit, e.g. with ModelCheckpoint or in on_train_end), not after fit/validate/test returned"
+            )
+        state = checkpoint["state_dict"]
+        for span in self._spans:
+            for key, tensor in self.fetch_stage_state(span.index).items():
+                state[partitioning.stage_state_key(self._pipeline_name, span, key)] = tensor
+        if "optimizer_states" in checkpoint:
+            checkpoint[STAGE_OPTIMIZERS_KEY] = self._gather_stage_optimizers()
 
     def claim_checkpoint(self, filepath: str, ttl: float = 60.0) -> bool:
         """Whether this peer writes ``filepath`` (:func:`lightning_swarm.checkpointing.claim`): the others skip it.
@@ -382,10 +348,10 @@ class SwarmStrategy(Strategy):
             self.router.close()
         self.router = None
         if self.node is not None:
+            self.checkpoint_io.leave()
             self.node.shutdown()
             self.node = None
-        if self._leave_deadline is not None:
-            self._leave_deadline.cancel()  # left the swarm in time: the rest of the script is the user's
+        self._signals.restore()
         super().teardown()
 
     # ---- the steps ------------------------------------------------------------------------------------------------
@@ -580,40 +546,6 @@ class SwarmStrategy(Strategy):
         while not self._stop_requested.wait(0.5):
             self._service()
         trainer.should_stop = True
-
-    def _leave_now(self) -> None:
-        """The graceful exit took longer than ``leave_timeout``: stop every helper process and exit."""
-        log.error("Could not leave the swarm within %gs of the signal: exiting now", self.leave_timeout)
-        for child in multiprocessing.active_children():  # the DHT and averager processes
-            child.kill()
-        if self.node is not None:
-            kill_daemon(self.node.daemon_pid)
-        os._exit(1)
-
-    def _install_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        main_pid = os.getpid()
-
-        def request_stop(signum: int, frame: Any) -> None:
-            if os.getpid() != main_pid:  # a forked helper (DHT, averager) inherited this handler: die as usual
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-                return
-            if self._stop_requested.is_set():
-                raise KeyboardInterrupt  # a second signal: stop now
-            log.warning(
-                "Received signal %d: finishing the current step, then leaving the swarm (within %gs)",
-                signum,
-                self.leave_timeout,
-            )
-            self._stop_requested.set()
-            self._leave_deadline = threading.Timer(self.leave_timeout, self._leave_now)
-            self._leave_deadline.daemon = True
-            self._leave_deadline.start()
-
-        signal.signal(signal.SIGTERM, request_stop)
-        signal.signal(signal.SIGINT, request_stop)
 
 
 SwarmStrategy.__doc__ += "\n" + settings.args_section()  # the settings' docstrings, for LightningCLI's help

@@ -174,3 +174,35 @@ def test_checkpoint_seeds_meta_blocks_and_a_cut_pipeline():
     assert torch.equal(model.head.weight, saved["head.weight"])
     stage = strategy._stage.module.state_dict()
     assert stage.keys() and all(torch.equal(stage[k], saved["blocks.1." + k.split(".", 1)[1]]) for k in stage)
+
+
+def test_only_the_peer_that_writes_a_path_gathers_the_stages(tmp_path):
+    """Peers saving the same path at once through SwarmCheckpointIO: one writes it, and only that one completes the
+    checkpoint (gathers every stage from the swarm); the others neither gather nor write."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    from lightning_swarm.checkpointing import SwarmCheckpointIO
+
+    gathered = []
+    ios = [SwarmCheckpointIO(TorchCheckpointIO(), lambda checkpoint, i=i: gathered.append(i)) for i in range(3)]
+    first = SwarmNode().start()
+    nodes = [first, *(SwarmNode(first.visible_maddrs()).start() for _ in range(2))]
+    try:
+        for io_, node in zip(ios, nodes):
+            io_.join(node, "gather", settle=0.5)
+        path = tmp_path / "last.ckpt"
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda io_: io_.save_checkpoint({"state_dict": {}}, path), ios))
+        writer = min(range(3), key=lambda i: str(nodes[i].peer_id))
+        assert gathered == [writer] and path.exists()
+        for i, io_ in enumerate(ios):
+            if i != writer:
+                io_.remove_checkpoint(path)  # only the writer removes what it wrote
+        assert path.exists()
+        ios[writer].remove_checkpoint(path)
+        assert not path.exists()
+    finally:
+        for node in nodes:
+            node.shutdown()
