@@ -14,7 +14,7 @@ import io
 import logging
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -93,6 +93,39 @@ def copy_state(state: dict) -> dict:
     torch.save(state, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)
+
+
+class StageStates(Protocol):
+    """Where the stages' current states come from (:class:`~lightning_swarm.server.stage_host.StageHost`)."""
+
+    def fetch_state(self, stage: int) -> dict[str, torch.Tensor]: ...
+
+    def fetch_optimizer_state(self, stage: int) -> dict[str, Any]: ...
+
+
+def add_stages(
+    checkpoint: dict[str, Any], pipeline_name: str, spans: list[partitioning.StageSpan], source: Optional[StageStates]
+) -> None:
+    """Complete a checkpoint whose state dict holds the local modules: add every stage's current state and, if it
+    holds optimizer states, each stage optimizer's (stages whose optimizer state cannot be had are left out, with a
+    warning: their optimizers restart on resume). ``source`` None: this peer is not in the swarm."""
+    if source is None:
+        raise RuntimeError(
+            "The complete model is gathered from the swarm: save checkpoints while this peer is in it (during "
+            "fit, e.g. with ModelCheckpoint or in on_train_end), not after fit/validate/test returned"
+        )
+    state = checkpoint["state_dict"]
+    for span in spans:
+        for key, tensor in source.fetch_state(span.index).items():
+            state[partitioning.stage_state_key(pipeline_name, span, key)] = tensor
+    if "optimizer_states" not in checkpoint:
+        return
+    optimizers = checkpoint[STAGE_OPTIMIZERS_KEY] = {}
+    for span in spans:
+        try:
+            optimizers[span.index] = optimizer_state(source.fetch_optimizer_state(span.index))
+        except Exception as e:
+            log.warning("Checkpoint without the optimizer state of stage %d: %r", span.index, e)
 
 
 class SwarmCheckpointIO(CheckpointIO):

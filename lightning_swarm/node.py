@@ -109,6 +109,15 @@ class SwarmNode:
         future = self.dht.run_coroutine(_visible_maddrs, return_future=True)
         return [str(m) for m in future.result(timeout=self.timeout)]
 
+    def publish_addresses(self, address_file: Optional[str] = None) -> list[str]:
+        """This peer's multiaddrs, written to ``address_file`` (one per line, replaced at once) if given."""
+        addresses = self.visible_maddrs()
+        if address_file:
+            with open(address_file + ".tmp", "w") as f:
+                f.write("\n".join(addresses) + "\n")
+            os.replace(address_file + ".tmp", address_file)
+        return addresses
+
     def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
         """Run a coroutine on the RPC event loop from synchronous code and wait for it, with a timeout."""
         future = RemoteExpertWorker.run_coroutine(coro, return_future=True)

@@ -141,6 +141,11 @@ def bottleneck(swarm: list[dict[str, PeerRecord]]) -> list[int]:
     return [k for k, total in enumerate(totals) if total <= min(totals) * (1 + 1e-9)]
 
 
+def newcomer_stage(swarm: list[dict[str, PeerRecord]]) -> int:
+    """The stage a peer joining the swarm serves: one of the bottleneck stages, at random (OS-seeded)."""
+    return random.Random().choice(bottleneck(swarm))
+
+
 def _present(swarm: list[dict[str, PeerRecord]]) -> list[PeerRecord]:
     return [r for r in current_records(swarm).values() if r.stage is not None]
 

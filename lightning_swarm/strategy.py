@@ -1,37 +1,29 @@
-"""``SwarmStrategy``: SWARM parallelism as a Lightning strategy.
+"""``SwarmStrategy``: SWARM parallelism as a Lightning strategy, and the table of contents of the package.
 
-This file is the table of contents. Each step of SWARM lives in its own module:
-
-- :mod:`~lightning_swarm.node`: the peer's DHT and libp2p daemon;
-- :mod:`~lightning_swarm.partitioning`: cutting the pipeline into stages;
-- :mod:`~lightning_swarm.discovery`: who serves which stage (DHT records);
-- :mod:`~lightning_swarm.server.stage_server`: serving a stage's forward and backward;
-- :mod:`~lightning_swarm.optimizer`: per-stage and local optimizers that all-reduce at the target batch size;
-- :mod:`~lightning_swarm.client.routing`: stochastic wiring with failover;
-- :mod:`~lightning_swarm.client.remote_pipeline`: the module that replaces the pipeline in ``training_step``;
-- :mod:`~lightning_swarm.compression`: 8-bit activations and gradients on the wire;
-- :mod:`~lightning_swarm.rebalancing`: peers move from stages with spare capacity to the bottleneck;
-- :mod:`~lightning_swarm.events` and :mod:`~lightning_swarm.callbacks`: swarm events for Lightning callbacks;
-- :mod:`~lightning_swarm.checkpointing`: complete checkpoints (stage optimizers, one writer, the latest one).
+The strategy answers Lightning's hooks, cuts the model (:mod:`~lightning_swarm.partitioning`), puts the remote
+pipeline (:mod:`~lightning_swarm.client`) in the pipeline's place, wraps the local optimizer
+(:mod:`~lightning_swarm.optimizer`) and hands swarm events to callbacks (:mod:`~lightning_swarm.callbacks`).
+It hands the serving side to one object, :class:`~lightning_swarm.server.stage_host.StageHost` (join, serve, move,
+leave, records and metrics; its :mod:`~lightning_swarm.server.stage_server` steps the stage's optimizer). Settings
+are :class:`~lightning_swarm.settings.SwarmSettings`; checkpoints are written by
+:class:`~lightning_swarm.checkpointing.SwarmCheckpointIO`; signals are handled by
+:class:`~lightning_swarm.signals.SignalGuard`. The wire: :mod:`~lightning_swarm.protocol`,
+:mod:`~lightning_swarm.compression`, :mod:`~lightning_swarm.transport`; the swarm: :mod:`~lightning_swarm.node`,
+:mod:`~lightning_swarm.discovery`, :mod:`~lightning_swarm.rebalancing`, :mod:`~lightning_swarm.security`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import logging
-import os
-import random
 import threading
-import time
 from functools import partial
 from typing import Any, Callable, Generator, Literal, Optional, TypeVar, Union
 
 import torch
 from lightning.fabric.utilities.init import _materialize_meta_tensors
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
@@ -44,10 +36,9 @@ from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY, SwarmCheckpointI
 from lightning_swarm.client.remote_pipeline import RemotePipeline
 from lightning_swarm.client.routing import StageRouter
 from lightning_swarm.compression import Codec
-from lightning_swarm.errors import StageUnavailableError
 from lightning_swarm.events import EventQueue
 from lightning_swarm.node import SwarmNode
-from lightning_swarm.optimizer import SwarmOptimizer, restrict_to, swarm_optimizer
+from lightning_swarm.optimizer import SwarmOptimizer, swarm_optimizer
 from lightning_swarm.precision import check_precision
 from lightning_swarm.server.stage_host import Stage, StageHost
 from lightning_swarm.settings import Role, SwarmSettings
@@ -189,11 +180,7 @@ class SwarmStrategy(Strategy):
         if not isinstance(self.checkpoint_io, SwarmCheckpointIO):  # Lightning's default, or the user's plugin
             self.checkpoint_io = SwarmCheckpointIO(self.checkpoint_io, self._complete_checkpoint)
         self.checkpoint_io.join(self.node, self.run_id, settle=min(1.0, self.update_period))
-        addresses = self.node.visible_maddrs()
-        if self.address_file:
-            with open(self.address_file + ".tmp", "w") as f:
-                f.write("\n".join(addresses) + "\n")
-            os.replace(self.address_file + ".tmp", self.address_file)
+        addresses = self.node.publish_addresses(self.address_file)
         joined = "joined" if self.initial_peers else "started"
         log.warning(
             "Swarm %r %s. Other peers join with:\n  SWARM_INITIAL_PEERS=%s", self.run_id, joined, ",".join(addresses)
@@ -230,11 +217,11 @@ class SwarmStrategy(Strategy):
         self._partition_and_serve(trainer, fitting)
         super().setup(trainer)
         if fitting and self.role != "serve":
-            self._wrap_local_optimizer(trainer)
+            self._wrap_local_optimizer()
         if self.role == "drive":
             self.host.announce_driver()
         if self.role != "serve":
-            self._wait_for_stages()
+            self.host.wait_for_stages()
         if fitting and self.role == "serve":
             self._serve_until_stopped(trainer)
 
@@ -284,39 +271,11 @@ class SwarmStrategy(Strategy):
             else:
                 self._stage.module.load_state_dict(stage_state, strict=strict)
 
-    def _gather_stage_optimizers(self) -> dict[int, dict]:
-        """The optimizer state dict of every stage, from this peer or a live peer of the stage (stages whose state
-        cannot be had are left out, with a warning: their optimizers restart on resume)."""
-        states = {}
-        for span in self._spans:
-            try:
-                if self.host is not None and self.host.serves(span.index) and self.host.stage.optimizer is not None:
-                    state = self.host.optimizer_state()
-                else:
-                    raw = self.router.fetch_state(span.index, optimizer=True)["optimizer"]
-                    state = torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=True)
-            except Exception as e:
-                log.warning("Checkpoint without the optimizer state of stage %d: %r", span.index, e)
-                continue
-            states[span.index] = checkpointing.optimizer_state(state)
-        return states
-
     def _complete_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add every stage's current state, and with the optimizers' states each stage optimizer's, gathered from
         this peer and live peers, to a checkpoint this peer writes (Lightning's state dict holds the local modules)."""
-        if self._pipeline_name is None:
-            return  # the pipeline was not cut yet: the state dict holds the whole model
-        if self.router is None:
-            raise RuntimeError(
-                "The complete model is gathered from the swarm: save checkpoints while this peer is in it (during "
-                "fit, e.g. with ModelCheckpoint or in on_train_end), not after fit/validate/test returned"
-            )
-        state = checkpoint["state_dict"]
-        for span in self._spans:
-            for key, tensor in self.fetch_stage_state(span.index).items():
-                state[partitioning.stage_state_key(self._pipeline_name, span, key)] = tensor
-        if "optimizer_states" in checkpoint:
-            checkpoint[STAGE_OPTIMIZERS_KEY] = self._gather_stage_optimizers()
+        if self._pipeline_name is not None:  # else the pipeline was not cut yet: the state dict holds the whole model
+            checkpointing.add_stages(checkpoint, self._pipeline_name, self._spans, self.host)
 
     def claim_checkpoint(self, filepath: str, ttl: float = 60.0) -> bool:
         """Whether this peer writes ``filepath`` (:func:`lightning_swarm.checkpointing.claim`): the others skip it.
@@ -326,9 +285,7 @@ class SwarmStrategy(Strategy):
 
     def fetch_stage_state(self, stage: int) -> dict[str, torch.Tensor]:
         """The current state dict of ``stage`` (stage-local keys), from this peer or a live peer of the stage."""
-        if self.host is not None and self.host.serves(stage):
-            return self.host.stage_state()
-        return self.router.fetch_state(stage)
+        return self.host.fetch_state(stage)
 
     def teardown(self) -> None:
         if self.host is not None:
@@ -377,9 +334,7 @@ class SwarmStrategy(Strategy):
             build_stage=partial(self._build_stage, train=True),  # moves happen while fitting
         )
         if self._stage is not None:
-            if fitting:
-                self._stage.optimizer = self._stage_optimizer(self._stage.module, self._stage.index)
-            self.host.serve(self._stage, self._checkpoint_stage_optimizers)
+            self.host.serve(self._build_stage(self._stage.index, train=fitting), self._checkpoint_stage_optimizers)
 
         self.router = StageRouter(
             self.node,
@@ -409,7 +364,9 @@ class SwarmStrategy(Strategy):
         self._pipeline_name = partitioning.find_pipeline(module, self.pipeline)
         self._blueprint = getattr(module, self._pipeline_name)
         self._spans = partitioning.balance_by_parameters(list(self._blueprint), self.num_stages)
-        served = self._choose_stage() if self.role != "drive" else None
+        served = None if self.role == "drive" else self.stage
+        if served is None and self.role != "drive":
+            served = rebalancing.newcomer_stage(discovery.fetch_swarm(self.node, self.run_id, self.num_stages))
         for span in self._spans:
             if span.index != served:
                 partitioning.stage_module(self._blueprint, span).to("meta")  # keeps their shapes, frees their memory
@@ -421,12 +378,15 @@ class SwarmStrategy(Strategy):
     def _build_stage(self, stage: int, train: bool) -> Stage:
         """The blocks of ``stage`` on this peer's device (freshly initialised if they were on the meta device), in
         the dtype of the Trainer's precision (``-true``), as Lightning converts the whole model in plain training;
-        with their optimizer if ``train``. This peer serves it from now on."""
-        blocks = partitioning.stage_module(self._blueprint, self._spans[stage])
-        _materialize_meta_tensors(blocks, self.root_device)
-        module = self.precision_plugin.convert_module(blocks).to(self.root_device)
-        optimizer = self._stage_optimizer(module, stage) if train else None
-        self._stage = Stage(self._spans[stage], module, optimizer, self._pipeline_name)
+        if ``train``, with the user's optimizer over them. This peer serves them from now on."""
+        if self._stage is None or self._stage.index != stage:
+            blocks = partitioning.stage_module(self._blueprint, self._spans[stage])
+            _materialize_meta_tensors(blocks, self.root_device)
+            module = self.precision_plugin.convert_module(blocks).to(self.root_device)
+            self._stage = Stage(self._spans[stage], module, None, self._pipeline_name)
+        if train:
+            user = partitioning.stage_optimizer(self.lightning_module, self._pipeline_name, self._stage.module)
+            self._stage.optimizer = self._swarm_optimizer(user, f"stage{stage}", self.delayed_updates)
         return self._stage
 
     def _loss_scale(self) -> Optional[float]:
@@ -434,36 +394,25 @@ class SwarmStrategy(Strategy):
         scaler = getattr(self.precision_plugin, "scaler", None)
         return None if scaler is None else scaler.get_scale()
 
-    def _choose_stage(self) -> int:
-        """The given stage, else a bottleneck stage: the lowest summed throughput (a stage without peers first)."""
-        if self.stage is not None:
-            return self.stage
-        lowest = rebalancing.bottleneck(discovery.fetch_swarm(self.node, self.run_id, self.num_stages))
-        return random.Random().choice(lowest)  # OS-seeded
-
-    def _stage_optimizer(self, stage_module: nn.Module, stage: int) -> SwarmOptimizer:
-        """The user's optimizer (class and per-group hyper-parameters) over this stage's parameters.
-
-        ``configure_optimizers`` runs with the stage in the pipeline's place, so that ``self.parameters()``
-        covers exactly the local modules and this stage.
-        """
-        module, pipeline = self.lightning_module, getattr(self.lightning_module, self._pipeline_name)
-        setattr(module, self._pipeline_name, stage_module)
-        try:
-            optimizers, _ = _init_optimizers_and_lr_schedulers(module)
-        finally:
-            setattr(module, self._pipeline_name, pipeline)
-        if len(optimizers) != 1:
-            raise ValueError(f"SwarmStrategy supports one optimizer; configure_optimizers returned {len(optimizers)}")
-        stage_optimizer = restrict_to(optimizers[0], stage_module.parameters())
+    def _swarm_optimizer(self, optimizer: torch.optim.Optimizer, name: str, delayed: bool = False) -> SwarmOptimizer:
+        """``optimizer`` stepping once the swarm's peers under ``<run_id>_<name>`` processed the target batch."""
+        trainer = self.lightning_module.trainer
+        if self.target_batch_size is None:
+            batch_size = getattr(trainer.datamodule, "batch_size", None)
+            if not isinstance(batch_size, int):
+                raise ValueError(
+                    "Set target_batch_size (or SWARM_TARGET_BATCH_SIZE): the samples, summed over the swarm, "
+                    "after which the swarm takes an optimizer step"
+                )
+            self.settings = dataclasses.replace(self.settings, target_batch_size=batch_size)
         return swarm_optimizer(
             self.node.dht,
-            f"{self.run_id}_stage{stage}",
-            stage_optimizer,
-            self._resolve_target_batch_size(self.lightning_module.trainer),
+            f"{self.run_id}_{name}",
+            optimizer,
+            self.target_batch_size,
             self.matchmaking_time,
             self.averaging_timeout,
-            delayed=self.delayed_updates,
+            delayed=delayed,
         )
 
     def _service(self) -> None:
@@ -475,36 +424,12 @@ class SwarmStrategy(Strategy):
 
     def swarm_metrics(self) -> dict[str, float]:
         """The swarm as this peer sees it, for :class:`~lightning_swarm.callbacks.SwarmMonitor`."""
-        metrics = self.host.metrics() if self.host is not None else {"stage": float(-1), "peers": 0.0, "queue": 0.0}
-        stage_optimizer = self._stage.optimizer if self._stage is not None else None
-        optimizer = stage_optimizer or (self.optimizers[0] if self.optimizers else None)
-        stats = self.router.stats if self.router is not None else None
-        return {
-            **metrics,
-            "step": float(getattr(optimizer, "local_epoch", 0)),
-            "bytes_sent": float(stats.bytes_sent if stats else 0),
-            "bytes_received": float(stats.bytes_received if stats else 0),
-            "compression_ratio": float(stats.raw_bytes_sent / stats.bytes_sent if stats and stats.bytes_sent else 1),
-            "failovers": float(stats.failovers if stats else 0),
-        }
+        return self.host.metrics(self.optimizers[0] if self.optimizers else None) if self.host is not None else {}
 
-    def _wrap_local_optimizer(self, trainer: Trainer) -> None:
-        if not self.optimizers:
-            return
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"SwarmStrategy supports one optimizer; configure_optimizers returned {len(self.optimizers)}"
-            )
-        local = swarm_optimizer(
-            self.node.dht,
-            f"{self.run_id}_local",
-            self.optimizers[0],
-            self._resolve_target_batch_size(trainer),
-            self.matchmaking_time,
-            self.averaging_timeout,
-        )
-        local.load_state_from_peers()
-        self.optimizers = [local]
+    def _wrap_local_optimizer(self) -> None:
+        if self.optimizers:
+            self.optimizers = [self._swarm_optimizer(partitioning.single_optimizer(self.optimizers), "local")]
+            self.optimizers[0].load_state_from_peers()
 
     def setup_optimizers(self, trainer: Trainer) -> None:
         has_local_params = any(p.requires_grad for p in self.lightning_module.parameters())
@@ -512,34 +437,6 @@ class SwarmStrategy(Strategy):
             self.optimizers, self.lr_scheduler_configs = [], []
             return
         super().setup_optimizers(trainer)
-
-    def _resolve_target_batch_size(self, trainer: Trainer) -> int:
-        if self.target_batch_size is None:
-            batch_size = getattr(trainer.datamodule, "batch_size", None)
-            if not isinstance(batch_size, int):
-                raise ValueError(
-                    "Set target_batch_size (or SWARM_TARGET_BATCH_SIZE): the samples, summed over the swarm, "
-                    "after which the swarm takes an optimizer step"
-                )
-            self.settings = dataclasses.replace(self.settings, target_batch_size=batch_size)
-        return self.target_batch_size
-
-    def _wait_for_stages(self) -> None:
-        """Block until every stage has a serving peer, logging which ones are missing."""
-        deadline = time.monotonic() + self.join_timeout
-        while True:
-            missing = [k for k in range(self.num_stages) if self.router.choose(k, 1) is None]
-            if not missing:
-                return
-            if time.monotonic() > deadline:
-                raise StageUnavailableError(
-                    f"Stages {missing} of run {self.run_id!r} have no live peer after {self.join_timeout:.0f}s: "
-                    f"start peers that serve them (or check initial_peers)"
-                )
-            log.warning("Waiting for peers to serve stage(s) %s", missing)
-            for k in missing:
-                self.router.refresh(k, force=True)
-            time.sleep(1.0)
 
     def _serve_until_stopped(self, trainer: Trainer) -> None:
         log.warning("Serving until this process receives SIGTERM or SIGINT")

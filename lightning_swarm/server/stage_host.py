@@ -11,6 +11,7 @@ swarm's records for events and metrics, moves to the bottleneck stage when the r
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import threading
 import time
@@ -24,6 +25,7 @@ from lightning_swarm import checkpointing, discovery, transport
 from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY
 from lightning_swarm.client.routing import StageRouter
 from lightning_swarm.discovery import Announcer, PeerRecord, PeerState
+from lightning_swarm.errors import StageUnavailableError
 from lightning_swarm.events import EventQueue, PeerJoined, PeerLeft, StageChanged
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.optimizer import SwarmOptimizer
@@ -234,19 +236,44 @@ class StageHost:
         self.stage.optimizer.load_state_dict(checkpointing.optimizer_state(saved))
         log.warning("Stage %d: optimizer state loaded from the checkpoint", self.stage.index)
 
-    # ---- the stage's state ----------------------------------------------------------------------------------------
+    def wait_for_stages(self) -> None:
+        """Block until every stage has a serving peer, logging which ones are missing (a driving peer, before it
+        trains)."""
+        settings = self.settings
+        deadline = time.monotonic() + settings.join_timeout
+        while True:
+            missing = [k for k in range(settings.num_stages) if self.router.choose(k, 1) is None]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise StageUnavailableError(
+                    f"Stages {missing} of run {settings.run_id!r} have no live peer after "
+                    f"{settings.join_timeout:.0f}s: start peers that serve them (or check initial_peers)"
+                )
+            log.warning("Waiting for peers to serve stage(s) %s", missing)
+            for k in missing:
+                self.router.refresh(k, force=True)
+            time.sleep(1.0)
 
-    def serves(self, stage: int) -> bool:
+    # ---- the stages' state ----------------------------------------------------------------------------------------
+
+    def _serves(self, stage: int) -> bool:
         return self.server is not None and self.stage.index == stage
 
-    def stage_state(self) -> dict[str, torch.Tensor]:
-        """A copy of the served stage's state dict (stage-local keys), with the last optimizer step in it."""
-        return self.server.state_dict()
+    def fetch_state(self, stage: int) -> dict[str, torch.Tensor]:
+        """The current state dict of ``stage`` (stage-local keys), from this peer (with the last optimizer step in
+        it) or a live peer of the stage."""
+        if self._serves(stage):
+            return self.server.state_dict()
+        return self.router.fetch_state(stage)
 
-    def optimizer_state(self) -> dict[str, Any]:
-        """A copy of the served stage's optimizer state dict, taken between two requests."""
-        with self.server.lock:
-            return checkpointing.copy_state(self.stage.optimizer.state_dict())
+    def fetch_optimizer_state(self, stage: int) -> dict[str, Any]:
+        """The optimizer state dict of ``stage``, from this peer (taken between two requests) or a live peer."""
+        if self._serves(stage) and self.stage.optimizer is not None:
+            with self.server.lock:
+                return checkpointing.copy_state(self.stage.optimizer.state_dict())
+        raw = self.router.fetch_state(stage, optimizer=True)["optimizer"]
+        return torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=True)
 
     def load_state(self, stage_state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load the stage's blocks from ``stage_state``, between two requests."""
@@ -299,15 +326,23 @@ class StageHost:
             self.rebalances += 1  # this peer's own moves are counted (with their reason) where they happen
             self.events.emit(StageChanged(peer, before.stage, after.stage, "seen in the swarm's records"))
 
-    def metrics(self) -> dict[str, float]:
-        """The swarm as this peer sees it: its stage, the peers, each stage's throughput and peers, its queue."""
+    def metrics(self, local_optimizer: Optional[Any] = None) -> dict[str, float]:
+        """The swarm as this peer sees it: its stage, the peers, the step (of its stage, else of its local
+        optimizer), its queue, its traffic, and each stage's throughput and peers."""
         view = self._watcher.latest if self._watcher is not None and self._watcher.latest is not None else []
         serving = [[r for r in stage.values() if r.state == PeerState.SERVING] for stage in view]
         peers = {r.peer_id for stage in serving for r in stage} | set(self._watcher.drivers if self._watcher else ())
+        optimizer = (self.stage.optimizer if self.stage is not None else None) or local_optimizer
+        stats = self.router.stats if self.router is not None else None
         metrics = {
             "stage": float(-1 if self.stage is None else self.stage.index),
             "peers": float(len(peers)),
+            "step": float(getattr(optimizer, "local_epoch", 0)),
             "queue": float(self.server.info()["queued_samples"] if self.server is not None else 0),
+            "bytes_sent": float(stats.bytes_sent if stats else 0),
+            "bytes_received": float(stats.bytes_received if stats else 0),
+            "compression_ratio": float(stats.raw_bytes_sent / stats.bytes_sent if stats and stats.bytes_sent else 1),
+            "failovers": float(stats.failovers if stats else 0),
             "rebalances": float(self.rebalances),
         }
         for k, stage in enumerate(serving):
