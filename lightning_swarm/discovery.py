@@ -8,13 +8,13 @@ Each serving peer stores, under ``<run_id>_stage<k>`` with its peer id as subkey
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Callable, Optional
 
 from lightning_swarm.node import SwarmNode
+from lightning_swarm.periodic import PeriodicThread
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def check_run_meta(node: SwarmNode, run_id: str, meta: dict, ttl: float) -> None
     node.dht_store(meta_key(run_id), str(node.peer_id), meta, ttl)
 
 
-class Announcer:
+class Announcer(PeriodicThread):
     """A daemon thread that keeps this peer's record fresh, so routers find it and stop finding it once it is gone."""
 
     def __init__(
@@ -105,15 +105,18 @@ class Announcer:
         update_period: float,
         layout: Optional[dict] = None,
     ) -> None:
+        super().__init__("swarm-announcer")
         self.node, self.run_id, self.make_record = node, run_id, make_record
         self.update_period, self.layout = update_period, layout
+        self.first_delay = update_period
         self._layout_stored_at = time.monotonic()  # check_run_meta stored it when the peer joined
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="swarm-announcer", daemon=True)
 
     def start(self) -> None:
         self.announce()
-        self._thread.start()
+        super().start()
+
+    def delay(self) -> float:
+        return self.update_period
 
     def announce(self, record: Optional[PeerRecord] = None, ttl: Optional[float] = None) -> None:
         """Store ``record`` (by default, the current one) for ``ttl`` seconds (by default, two update periods)."""
@@ -124,26 +127,23 @@ class Announcer:
         except Exception as e:  # a missed refresh is retried next period; the record outlives one miss
             log.warning("Could not announce stage %d: %r", record.stage, e)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.update_period):
-            self.announce()
-            ttl = max(60.0, 6 * self.update_period)
-            if self.layout is not None and time.monotonic() - self._layout_stored_at > ttl / 3:
-                try:  # the run's layout outlives its first peers: tools read it (status)
-                    self.node.dht_store(meta_key(self.run_id), str(self.node.peer_id), self.layout, ttl)
-                    self._layout_stored_at = time.monotonic()
-                except Exception as e:
-                    log.warning("Could not refresh the run's layout: %r", e)
+    def tick(self) -> None:
+        self.announce()
+        ttl = max(60.0, 6 * self.update_period)
+        if self.layout is not None and time.monotonic() - self._layout_stored_at > ttl / 3:
+            try:  # the run's layout outlives its first peers: tools read it (status)
+                self.node.dht_store(meta_key(self.run_id), str(self.node.peer_id), self.layout, ttl)
+                self._layout_stored_at = time.monotonic()
+            except Exception as e:
+                log.warning("Could not refresh the run's layout: %r", e)
 
     def stop(self, final: Optional[PeerRecord] = None) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self.node.timeout)
+        super().stop()
         if final is not None:
             self.announce(final)
 
 
-class SwarmWatcher:
+class SwarmWatcher(PeriodicThread):
     """A daemon thread that reads the whole swarm's records every ``period`` seconds, keeps the latest view, and
     reports the differences between two views: peers that joined, left, or moved to another stage.
 
@@ -161,29 +161,17 @@ class SwarmWatcher:
         period: float,
         on_change: Callable[[str, str, Optional[PeerRecord], Optional[PeerRecord]], None],
     ) -> None:
+        super().__init__("swarm-watcher")
         self.node, self.run_id, self.num_stages, self.period = node, run_id, num_stages, period
         self.on_change = on_change
         self.latest: Optional[list[dict[str, PeerRecord]]] = None  # one dict per stage
         self.drivers: dict[str, PeerRecord] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="swarm-watcher", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
+    def tick(self) -> None:
+        self.refresh()
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self.node.timeout)
-
-    def _run(self) -> None:
-        while True:
-            try:
-                self.refresh()
-            except Exception as e:  # the next period reads again
-                log.warning("Could not read the swarm: %r", e)
-            if self._stop.wait(self.period):
-                return
+    def delay(self) -> float:
+        return self.period
 
     def refresh(self) -> list[dict[str, PeerRecord]]:
         swarm, drivers = fetch_swarm(self.node, self.run_id, self.num_stages), fetch_stage(self.node, self.run_id, None)
