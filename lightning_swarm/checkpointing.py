@@ -19,17 +19,13 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 from lightning.fabric.plugins import CheckpointIO
 
-from lightning_swarm import partitioning
+from lightning_swarm import discovery, partitioning
 from lightning_swarm.node import SwarmNode
 
 log = logging.getLogger(__name__)
 
 STAGE_OPTIMIZERS_KEY = "swarm_stage_optimizers"  # checkpoint entry: stage -> its optimizer's state dict
 LATEST_CHECKPOINT_TTL = 7 * 24 * 3600.0  # how long the swarm remembers where its latest checkpoint is
-
-
-def latest_checkpoint_key(run_id: str) -> str:
-    return f"{run_id}_latest_checkpoint"
 
 
 def claim(node: SwarmNode, run_id: str, filepath: str, ttl: float = 60.0, settle: float = 1.0) -> bool:
@@ -39,7 +35,7 @@ def claim(node: SwarmNode, run_id: str, filepath: str, ttl: float = 60.0, settle
     for concurrent claims to land, and writes only if no peer with a smaller peer id claimed the same path within
     ``ttl``. If the DHT cannot be read, the peer writes.
     """
-    key = f"{run_id}_checkpoints"
+    key = discovery.checkpoint_claims_key(run_id)
     path_id = hashlib.sha256(os.path.abspath(filepath).encode()).hexdigest()[:16]
     me = str(node.peer_id)
     try:
@@ -60,7 +56,7 @@ def announce(node: SwarmNode, run_id: str, filepath: str, step: Optional[int]) -
     """Tell the swarm where its latest checkpoint is (a stage that loses all its peers is restored from it)."""
     latest = dict(path=os.path.abspath(filepath), step=step, time=time.time())
     try:
-        node.dht_store(latest_checkpoint_key(run_id), "latest", latest, ttl=LATEST_CHECKPOINT_TTL)
+        node.dht_store(discovery.latest_checkpoint_key(run_id), "latest", latest, ttl=LATEST_CHECKPOINT_TTL)
     except Exception as e:
         log.warning("Could not announce checkpoint %s to the swarm: %r", filepath, e)
 
@@ -68,7 +64,7 @@ def announce(node: SwarmNode, run_id: str, filepath: str, step: Optional[int]) -
 def find_latest(node: SwarmNode, run_id: str) -> Optional[dict]:
     """The latest checkpoint the swarm announced (``path``, ``step``, ``time``), or None."""
     try:
-        found = (node.dht_get(latest_checkpoint_key(run_id)) or {}).get("latest")
+        found = (node.dht_get(discovery.latest_checkpoint_key(run_id)) or {}).get("latest")
     except Exception as e:
         log.warning("The swarm's latest checkpoint could not be read: %r", e)
         return None

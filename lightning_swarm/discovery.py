@@ -2,13 +2,15 @@
 
 Each serving peer stores, under ``<run_id>_stage<k>`` with its peer id as subkey, a tuple
 ``(state, throughput, queue, training[, address])``, refreshed every ``update_period`` seconds and expiring after
-``2 * update_period``.
+``2 * update_period``. Every DHT key of a run is named here (records, the run's layout, optimizer prefixes,
+checkpoint claims and the latest checkpoint).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Callable, Optional
@@ -64,6 +66,20 @@ def meta_key(run_id: str) -> str:
     return f"{run_id}_meta"
 
 
+def optimizer_prefix(run_id: str, stage: Optional[int]) -> str:
+    """The hivemind prefix of a stage's optimizer (None: the trainers' local optimizer), under which its progress
+    and averaging live in the DHT."""
+    return f"{run_id}_local" if stage is None else f"{run_id}_stage{stage}"
+
+
+def checkpoint_claims_key(run_id: str) -> str:
+    return f"{run_id}_checkpoints"
+
+
+def latest_checkpoint_key(run_id: str) -> str:
+    return f"{run_id}_latest_checkpoint"
+
+
 def fetch_stage(node: SwarmNode, run_id: str, stage: Optional[int]) -> dict[str, PeerRecord]:
     """Live records of the peers of one stage, by peer id (base58)."""
     found = node.dht_get(stage_key(run_id, stage)) or {}
@@ -92,6 +108,38 @@ def check_run_meta(node: SwarmNode, run_id: str, meta: dict, ttl: float) -> None
                 f"another run_id."
             )
     node.dht_store(meta_key(run_id), str(node.peer_id), meta, ttl)
+
+
+def read_num_stages(node: SwarmNode, run_id: str) -> Optional[int]:
+    """The stage count the run's peers published (the most common one, should they disagree)."""
+    found = node.dht_get(meta_key(run_id)) or {}
+    counts = Counter(
+        meta["num_stages"]
+        for meta in found.values()
+        if isinstance(meta, dict) and isinstance(meta.get("num_stages"), int) and meta["num_stages"] > 0
+    )
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def probe_num_stages(node: SwarmNode, run_id: str, gap: int = 4, limit: int = 256) -> int:
+    """Without published metadata: one more than the highest stage with a live peer (0 when none has)."""
+    last, k = -1, 0
+    while k < limit and k - last <= gap:
+        if fetch_stage(node, run_id, k):
+            last = k
+        k += 1
+    return last + 1
+
+
+def read_step(node: SwarmNode, prefix: str) -> Optional[int]:
+    """The highest epoch (optimizer step) any peer reports in hivemind's progress records under ``prefix``."""
+    found = node.dht_get(f"{prefix}_progress") or {}
+    epochs = [
+        value["epoch"]
+        for value in found.values()
+        if isinstance(value, dict) and isinstance(value.get("epoch"), int) and not isinstance(value["epoch"], bool)
+    ]
+    return max(epochs) if epochs else None
 
 
 class Announcer(PeriodicThread):

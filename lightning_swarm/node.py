@@ -13,6 +13,7 @@ import time
 from typing import Any, Awaitable, Optional, Sequence, TypeVar
 
 from hivemind.dht import DHT
+from hivemind.dht.validation import RecordValidatorBase
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
@@ -37,12 +38,14 @@ class SwarmNode:
         identity_path: Optional[str] = None,
         timeout: float = 30.0,
         policy: Optional[AccessPolicy] = None,
+        record_validators: Sequence[RecordValidatorBase] = (),
     ) -> None:
         self.initial_peers = list(initial_peers)
         self.policy = policy  # who may talk to this peer (allow-list, secret): see lightning_swarm.security
         self.host_maddrs = list(host_maddrs)
         self.announce_maddrs = list(announce_maddrs)
         self.identity_path = identity_path
+        self.record_validators = list(record_validators)  # beyond those of the policy
         self.timeout = timeout
         self.dht: Optional[DHT] = None
         self.p2p: Optional[P2P] = None
@@ -78,7 +81,7 @@ class SwarmNode:
 
     def _create_dht(self) -> DHT:
         loopback_only = all(m.startswith("/ip4/127.") for m in self.host_maddrs)
-        validators, authorizer = [], None
+        validators, authorizer = list(self.record_validators), None
         if self.policy is not None:
             security.install_guard(self.policy)  # before the DHT process forks: it inherits the guard
             if self.policy.key is not None:

@@ -386,7 +386,7 @@ class SwarmStrategy(Strategy):
             self._stage = Stage(self._spans[stage], module, None, self._pipeline_name)
         if train:
             user = partitioning.stage_optimizer(self.lightning_module, self._pipeline_name, self._stage.module)
-            self._stage.optimizer = self._swarm_optimizer(user, f"stage{stage}", self.delayed_updates)
+            self._stage.optimizer = self._swarm_optimizer(user, stage, self.delayed_updates)
         return self._stage
 
     def _loss_scale(self) -> Optional[float]:
@@ -394,8 +394,11 @@ class SwarmStrategy(Strategy):
         scaler = getattr(self.precision_plugin, "scaler", None)
         return None if scaler is None else scaler.get_scale()
 
-    def _swarm_optimizer(self, optimizer: torch.optim.Optimizer, name: str, delayed: bool = False) -> SwarmOptimizer:
-        """``optimizer`` stepping once the swarm's peers under ``<run_id>_<name>`` processed the target batch."""
+    def _swarm_optimizer(
+        self, optimizer: torch.optim.Optimizer, stage: Optional[int], delayed: bool = False
+    ) -> SwarmOptimizer:
+        """``optimizer`` stepping once the swarm's peers sharing it (``stage``'s, None: the trainers) processed the
+        target batch."""
         trainer = self.lightning_module.trainer
         if self.target_batch_size is None:
             batch_size = getattr(trainer.datamodule, "batch_size", None)
@@ -407,7 +410,7 @@ class SwarmStrategy(Strategy):
             self.settings = dataclasses.replace(self.settings, target_batch_size=batch_size)
         return swarm_optimizer(
             self.node.dht,
-            f"{self.run_id}_{name}",
+            discovery.optimizer_prefix(self.run_id, stage),
             optimizer,
             self.target_batch_size,
             self.matchmaking_time,
@@ -428,7 +431,7 @@ class SwarmStrategy(Strategy):
 
     def _wrap_local_optimizer(self) -> None:
         if self.optimizers:
-            self.optimizers = [self._swarm_optimizer(partitioning.single_optimizer(self.optimizers), "local")]
+            self.optimizers = [self._swarm_optimizer(partitioning.single_optimizer(self.optimizers), None)]
             self.optimizers[0].load_state_from_peers()
 
     def setup_optimizers(self, trainer: Trainer) -> None:

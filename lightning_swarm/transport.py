@@ -45,7 +45,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from lightning_swarm import protocol, security
 from lightning_swarm.compression import WireTensor
-from lightning_swarm.errors import ActivationsLostError, NotServingError, StageBusyError, SwarmRequestError
+from lightning_swarm.errors import NotServingError, SwarmRequestError
 from lightning_swarm.security import AccessPolicy, PeerNotAllowedError
 
 log = logging.getLogger(__name__)
@@ -54,10 +54,6 @@ SESSION_TTL = 3600.0  # seconds a session stays valid; callers open a new one be
 CONNECT_TIMEOUT = 5.0  # seconds to open a session (over libp2p), then again to connect
 MAX_CLOCK_SKEW = 60.0  # seconds between a connection token's time and the server's clock
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks for the verdict on each handshake (one per context)
-ERRORS: dict[str, type[Exception]] = {
-    kind.__name__: kind
-    for kind in (SwarmRequestError, StageBusyError, ActivationsLostError, NotServingError, PeerNotAllowedError)
-}
 
 
 class DirectPathError(RuntimeError):
@@ -339,7 +335,7 @@ class DirectClient:
         reply = MSGPackSerializer.loads(frames[0].bytes)
         if "error" in reply:
             kind, message = reply["error"]
-            raise ERRORS.get(kind, DirectPathError)(f"{kind}: {message}")
+            raise protocol.error_from_wire(f"{kind}: {message}") or DirectPathError(f"{kind}: {message}")
         return received(reply["tensors"], frames[1:])
 
     async def _connection(self, peer: str, address: str) -> _Connection:

@@ -471,7 +471,7 @@ def test_demo_runs_the_checkout_demo(capfd):
 
 
 def test_demo_outside_a_checkout(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(cli, "demo_candidates", lambda: [tmp_path / "examples" / "demo.py"])
+    monkeypatch.setattr(cli.demo, "demo_candidates", lambda: [tmp_path / "examples" / "demo.py"])
     assert cli.main(["demo"]) == cli.EXIT_ERROR
     err = capsys.readouterr().err
     assert "checkout" in err and err.count("\n") == 1

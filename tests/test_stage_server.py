@@ -24,7 +24,7 @@ from lightning_swarm import protocol
 from lightning_swarm.client.routing import _remote_error
 from lightning_swarm.errors import NotServingError, SwarmRequestError
 from lightning_swarm.node import SwarmNode
-from lightning_swarm.server.stage_server import stage_uid
+from lightning_swarm.protocol import stage_uid
 
 D_MODEL, BLOCK = 32, 32  # from SMALL_GPT
 MAX_REQUEST_BYTES = 1_000_000  # small cap, so that a streamed request above it costs ~1 MB, not 256 MiB

@@ -36,13 +36,13 @@ from lightning_swarm import compression, discovery, events, protocol
 from lightning_swarm.discovery import PeerRecord, PeerState
 from lightning_swarm.errors import (
     ActivationsLostError,
-    NotServingError,
     StageBusyError,
     StageUnavailableError,
     SwarmRequestError,
 )
 from lightning_swarm.node import SwarmNode
-from lightning_swarm.server.stage_server import StageServer, stage_uid
+from lightning_swarm.protocol import stage_uid
+from lightning_swarm.server.stage_server import StageServer
 from lightning_swarm.transport import CONNECT_TIMEOUT, DirectClient, DirectRequest, DirectUnreachable
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class StageRouter:
         self._wait_logged_at: dict[int, float] = {}  # stage -> when "no live peer" was last logged
         self.request_timeout, self.max_retries, self.ban_timeout = request_timeout, max_retries, ban_timeout
         self.refresh_period = refresh_period
-        self.stats = RouterStats()
+        self.stats = RouterStats()  # read by anyone; counted by this router and, through count(), its pipeline
         self.on_event: Optional[Callable[[events.SwarmEvent], None]] = None  # receives Failover events
         self.local_server: Optional[StageServer] = None  # this peer's own stage server, called without the network
         self._peers: list[dict[str, PeerLoad]] = [{} for _ in range(num_stages)]
@@ -211,6 +211,13 @@ class StageRouter:
                         f"Stage {stage} of run {self.run_id!r}: {failures} attempts on its peers failed "
                         f"(peers tried: {tried}; last error: {e!r})"
                     ) from None
+
+    def count(self, **counts: int) -> None:
+        """Add to this router's counters (:class:`RouterStats`) what its callers see: backward passes recomputed,
+        bytes sent before compression."""
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self.stats, name, getattr(self.stats, name) + value)
 
     def failed_over(self, stage: int, method: str, failed: str, retried_on: str, error: BaseException) -> None:
         """Count a microbatch retried on another peer, and report it to ``on_event``."""
@@ -393,8 +400,4 @@ class StageRouter:
 
 def _remote_error(error: P2PHandlerError) -> Exception:
     """Turn a remote handler's error back into the kind the server raised."""
-    message = str(error)
-    for kind in (SwarmRequestError, StageBusyError, ActivationsLostError, NotServingError):
-        if kind.__name__ in message:
-            return kind(message)
-    return error
+    return protocol.error_from_wire(str(error)) or error

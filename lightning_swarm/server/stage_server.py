@@ -37,6 +37,7 @@ from lightning_swarm import compression, protocol, security
 from lightning_swarm.errors import ActivationsLostError, NotServingError, StageBusyError, SwarmRequestError
 from lightning_swarm.events import EventQueue, StageStep
 from lightning_swarm.precision import activation_dtypes, autocast, parameter_dtype, unscale_
+from lightning_swarm.protocol import stage_uid
 from lightning_swarm.security import AccessPolicy, PeerNotAllowedError
 from lightning_swarm.server import device_memory
 from lightning_swarm.server.kept_activations import Kept, KeptActivations, counting_saved_bytes, default_max_bytes
@@ -60,10 +61,6 @@ class StageOptimizer(Protocol):
     def progress(self) -> dict: ...
 
     def state_dict(self) -> dict: ...
-
-
-def stage_uid(run_id: str, stage: int) -> str:
-    return f"{run_id}.stage{stage}"
 
 
 def _out_of_memory(error: BaseException) -> bool:
@@ -181,7 +178,7 @@ class StageServer(ServicerBase):
             self._check_caller(context, request.metadata)
             response = await self.answer(kind, request, context.remote_id)
         except (SwarmRequestError, StageBusyError, ActivationsLostError, NotServingError, PeerNotAllowedError) as e:
-            raise type(e)(repr(e)) from None  # hivemind sends str(e) on streams: keep the class name for callers
+            raise protocol.error_for_wire(e) from None
         for part in protocol.stream_response(response):
             yield part
 
