@@ -6,10 +6,18 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_swarm.errors import NotServingError, StageBusyError, StageUnavailableError, SwarmRequestError
+from lightning_swarm.settings import SwarmSettings
 from lightning_swarm.strategy import SwarmStrategy
 
 __version__ = "0.1.0"
-__all__ = ["SwarmStrategy", "NotServingError", "StageBusyError", "StageUnavailableError", "SwarmRequestError"]
+__all__ = [
+    "SwarmSettings",
+    "SwarmStrategy",
+    "NotServingError",
+    "StageBusyError",
+    "StageUnavailableError",
+    "SwarmRequestError",
+]
 
 if SwarmStrategy.strategy_name not in StrategyRegistry:
     SwarmStrategy.register_strategies(StrategyRegistry)
