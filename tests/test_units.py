@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -21,7 +22,9 @@ from lightning_swarm import compression, partitioning, protocol
 from lightning_swarm.client.remote_pipeline import RemotePipeline, microbatch_count
 from lightning_swarm.client.routing import PeerLoad, RouterStats, StageRouter
 from lightning_swarm.discovery import PeerRecord, PeerState
+from lightning_swarm.errors import StageBusyError, SwarmRequestError
 from lightning_swarm.launch import Peer
+from lightning_swarm.settings import SwarmSettings
 from lightning_swarm.strategy import SwarmStrategy
 
 
@@ -411,3 +414,26 @@ def test_auto_microbatches_are_resolved_per_batch_and_travel_concurrently():
             assert router.most == count
     finally:
         pipeline.close()
+
+
+def test_settings_are_frozen_keyword_only_and_read_the_environment(monkeypatch):
+    monkeypatch.setenv("SWARM_NUM_STAGES", "3")
+    monkeypatch.setenv("SWARM_INITIAL_PEERS", "/ip4/127.0.0.1/tcp/1/p2p/A,/ip4/127.0.0.1/tcp/2/p2p/B")
+    settings = SwarmSettings.from_env(num_stages=None, linger="7")
+    assert settings.num_stages == 3 and settings.linger == 7.0 and len(settings.initial_peers) == 2
+    assert SwarmSettings.from_env(num_stages=4).num_stages == 4  # a value given wins over the environment
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.num_stages = 5
+    with pytest.raises(TypeError):
+        SwarmSettings(2)  # keyword-only
+    with pytest.raises(TypeError, match="nmu_stages"):
+        SwarmSettings.from_env(nmu_stages=2)
+
+
+def test_a_server_error_survives_the_wire_by_its_class_name():
+    sent = protocol.error_for_wire(StageBusyError("stage 1 is busy"))
+    received = protocol.error_from_wire(f"handler failed: {sent}")
+    assert type(received) is StageBusyError and "stage 1 is busy" in str(received)
+    nested = protocol.error_from_wire("SwarmRequestError('stage 0 failed: StageBusyError()')")
+    assert type(nested) is SwarmRequestError  # the class named first is the one raised
+    assert protocol.error_from_wire("ValueError('no swarm error')") is None
