@@ -80,6 +80,12 @@ class RouterStats:
     chosen: dict = field(default_factory=dict)  # peer id -> number of calls sent there
     failed: dict = field(default_factory=dict)  # peer id -> number of those calls that failed
 
+    def add(self, **counts: int) -> None:
+        """Add to these counters what the router's callers see (backward passes recomputed, bytes sent before
+        compression), rather than writing the fields."""
+        for name, value in counts.items():
+            setattr(self, name, getattr(self, name) + value)
+
 
 class StageRouter:
     """Routes calls to stages of one run, with retries on other peers and temporary bans."""
@@ -104,7 +110,7 @@ class StageRouter:
         self._wait_logged_at: dict[int, float] = {}  # stage -> when "no live peer" was last logged
         self.request_timeout, self.max_retries, self.ban_timeout = request_timeout, max_retries, ban_timeout
         self.refresh_period = refresh_period
-        self.stats = RouterStats()  # read by anyone; counted by this router and, through count(), its pipeline
+        self.stats = RouterStats()  # read by anyone; counted by this router and, through add(), its pipeline
         self.on_event: Optional[Callable[[events.SwarmEvent], None]] = None  # receives Failover events
         self.local_server: Optional[StageServer] = None  # this peer's own stage server, called without the network
         self._peers: list[dict[str, PeerLoad]] = [{} for _ in range(num_stages)]
@@ -211,13 +217,6 @@ class StageRouter:
                         f"Stage {stage} of run {self.run_id!r}: {failures} attempts on its peers failed "
                         f"(peers tried: {tried}; last error: {e!r})"
                     ) from None
-
-    def count(self, **counts: int) -> None:
-        """Add to this router's counters (:class:`RouterStats`) what its callers see: backward passes recomputed,
-        bytes sent before compression."""
-        with self._lock:
-            for name, value in counts.items():
-                setattr(self.stats, name, getattr(self.stats, name) + value)
 
     def failed_over(self, stage: int, method: str, failed: str, retried_on: str, error: BaseException) -> None:
         """Count a microbatch retried on another peer, and report it to ``on_event``."""
