@@ -29,6 +29,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.optim import Optimizer
 
 from lightning_swarm import checkpointing, discovery, partitioning, rebalancing, security, settings
 from lightning_swarm.callbacks import dispatch
@@ -394,9 +395,7 @@ class SwarmStrategy(Strategy):
         scaler = getattr(self.precision_plugin, "scaler", None)
         return None if scaler is None else scaler.get_scale()
 
-    def _swarm_optimizer(
-        self, optimizer: torch.optim.Optimizer, stage: Optional[int], delayed: bool = False
-    ) -> SwarmOptimizer:
+    def _swarm_optimizer(self, optimizer: Optimizer, stage: Optional[int], delayed: bool = False) -> SwarmOptimizer:
         """``optimizer`` stepping once the swarm's peers sharing it (``stage``'s, None: the trainers) processed the
         target batch."""
         trainer = self.lightning_module.trainer
