@@ -295,9 +295,8 @@ class SwarmStrategy(Strategy):
             self.host.close()
             self.host = None
         for opt in self.optimizers:
-            shutdown = getattr(opt, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+            if hasattr(opt, "shutdown"):  # the SwarmOptimizer, once wrapped
+                opt.shutdown()
         self.optimizers = []
         pipeline = getattr(self.lightning_module, self._pipeline_name or "", None)
         if isinstance(pipeline, RemotePipeline):
