@@ -32,7 +32,6 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -42,7 +41,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hivemind.dht import DHT
 from hivemind.optim import Optimizer
-from hivemind.optim.grad_averager import GradientAverager
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +50,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpt import GPT, CharDataModule  # noqa: E402
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
 from swarm_throughput import ONE_THREAD, STAGES, SWARM, model_args, plain, steady_throughput, swarm  # noqa: E402
+
+from lightning_swarm.optimizer import hivemind_tuning  # noqa: E402
 
 WORKER_ENV = {
     **ONE_THREAD,
@@ -154,25 +154,13 @@ def hivemind_peer(a: argparse.Namespace, model: GPT, batches: list, record: Call
     else:
         wait_until(maddrs.exists, "DHT address of peer 0")
         dht = DHT(initial_peers=maddrs.read_text().split(), start=True, host_maddrs=LOOPBACK)
-    request_timeout = MATCHMAKING_TIME / 2  # hivemind asks for less than the matchmaking time
     optimizer = Optimizer(
         dht=dht,
         run_id="baseline",
         target_batch_size=PEERS * a.batch_size,
         batch_size_per_step=a.batch_size,
         optimizer=model.configure_optimizers(),
-        matchmaking_time=MATCHMAKING_TIME,
-        averaging_timeout=AVERAGING_TIMEOUT,
-        load_state_timeout=AVERAGING_TIMEOUT,
-        averager_opts=dict(request_timeout=request_timeout),
-        grad_averager_factory=partial(GradientAverager, request_timeout=request_timeout),
-        # as the swarm's stage optimizers: poll the peers' progress well within the matchmaking time
-        tracker_opts=dict(
-            min_refresh_period=0.2,
-            max_refresh_period=max(0.5, MATCHMAKING_TIME / 2),
-            default_refresh_period=max(0.5, MATCHMAKING_TIME / 2),
-            metadata_expiration=4 * AVERAGING_TIMEOUT,
-        ),
+        **hivemind_tuning(MATCHMAKING_TIME, AVERAGING_TIMEOUT),  # as the swarm's stage optimizers
     )
     barrier(directory, "start", a.rank)
     for x, y in batches:

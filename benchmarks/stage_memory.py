@@ -71,13 +71,7 @@ def main() -> None:
         delayed=a.delayed,
     )
 
-    def step(batch: int) -> None:
-        optimizer.step(batch_size=batch)
-        optimizer.zero_grad()
-
-    server = StageServer(
-        "stage_memory", 0, stage, device, on_backward=step, refresh_parameters=optimizer.apply_finished_update
-    )
+    server = StageServer("stage_memory", 0, stage, device, optimizer=optimizer)
     micro = a.batch_size // a.microbatches
     expected = dict(
         parameters=param_bytes,

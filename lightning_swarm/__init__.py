@@ -7,10 +7,18 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_swarm.errors import NotServingError, StageBusyError, StageUnavailableError, SwarmRequestError
 from lightning_swarm.logs import quiet_hivemind_noise, use_swarm_log_handler
+from lightning_swarm.settings import SwarmSettings
 from lightning_swarm.strategy import SwarmStrategy
 
 __version__ = "0.1.0"
-__all__ = ["SwarmStrategy", "NotServingError", "StageBusyError", "StageUnavailableError", "SwarmRequestError"]
+__all__ = [
+    "SwarmSettings",
+    "SwarmStrategy",
+    "NotServingError",
+    "StageBusyError",
+    "StageUnavailableError",
+    "SwarmRequestError",
+]
 
 use_swarm_log_handler()
 quiet_hivemind_noise()

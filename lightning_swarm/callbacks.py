@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.data import extract_batch_size
 from torchmetrics.aggregation import RunningMean
 
 from lightning_swarm.events import Failover, PeerJoined, PeerLeft, StageChanged, StageStep, SwarmEvent
@@ -71,7 +72,7 @@ class SwarmMonitor(SwarmCallback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         now = time.perf_counter()
-        samples = getattr(trainer.strategy, "_batch_size", None) or 0
+        samples = extract_batch_size(batch)
         self._rate.update(samples / max(now - self._last_batch_end, 1e-9))
         self._last_batch_end = now
         metrics = self._metrics(trainer)

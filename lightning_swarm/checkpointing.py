@@ -3,7 +3,8 @@ that lost all its peers finds the latest one.
 
 A swarm checkpoint is an ordinary Lightning checkpoint of the whole model (the local modules and every stage,
 gathered from live peers) plus, under ``STAGE_OPTIMIZERS_KEY``, each stage optimizer's state dict. One peer writes
-a given path (a claim in the DHT), and each checkpoint written is announced in the DHT.
+a given path (a claim in the DHT), and each checkpoint written is announced in the DHT: Lightning writes through
+:class:`SwarmCheckpointIO`, which gathers the stages only on the peer that writes.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import io
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
+from lightning.fabric.plugins import CheckpointIO
 
-from lightning_swarm import partitioning
+from lightning_swarm import discovery, partitioning
 from lightning_swarm.node import SwarmNode
 
 log = logging.getLogger(__name__)
@@ -28,10 +30,6 @@ CONSISTENT_KEY = "swarm_consistent_cut"  # checkpoint entry: whether every stage
 LATEST_CHECKPOINT_TTL = 7 * 24 * 3600.0  # how long the swarm remembers where its latest checkpoint is
 
 
-def latest_checkpoint_key(run_id: str) -> str:
-    return f"{run_id}_latest_checkpoint"
-
-
 def claim(node: SwarmNode, run_id: str, filepath: str, ttl: float = 60.0, settle: float = 1.0) -> bool:
     """Whether this peer writes ``filepath``: one writer per absolute path at a time.
 
@@ -39,7 +37,7 @@ def claim(node: SwarmNode, run_id: str, filepath: str, ttl: float = 60.0, settle
     for concurrent claims to land, and writes only if no peer with a smaller peer id claimed the same path within
     ``ttl``. If the DHT cannot be read, the peer writes.
     """
-    key = f"{run_id}_checkpoints"
+    key = discovery.checkpoint_claims_key(run_id)
     path_id = hashlib.sha256(os.path.abspath(filepath).encode()).hexdigest()[:16]
     me = str(node.peer_id)
     try:
@@ -60,7 +58,7 @@ def announce(node: SwarmNode, run_id: str, filepath: str, step: Optional[int]) -
     """Tell the swarm where its latest checkpoint is (a stage that loses all its peers is restored from it)."""
     latest = dict(path=os.path.abspath(filepath), step=step, time=time.time())
     try:
-        node.dht_store(latest_checkpoint_key(run_id), "latest", latest, ttl=LATEST_CHECKPOINT_TTL)
+        node.dht_store(discovery.latest_checkpoint_key(run_id), "latest", latest, ttl=LATEST_CHECKPOINT_TTL)
     except Exception as e:
         log.warning("Could not announce checkpoint %s to the swarm: %r", filepath, e)
 
@@ -68,7 +66,7 @@ def announce(node: SwarmNode, run_id: str, filepath: str, step: Optional[int]) -
 def find_latest(node: SwarmNode, run_id: str) -> Optional[dict]:
     """The latest checkpoint the swarm announced (``path``, ``step``, ``time``), or None."""
     try:
-        found = (node.dht_get(latest_checkpoint_key(run_id)) or {}).get("latest")
+        found = (node.dht_get(discovery.latest_checkpoint_key(run_id)) or {}).get("latest")
     except Exception as e:
         log.warning("The swarm's latest checkpoint could not be read: %r", e)
         return None
@@ -95,7 +93,7 @@ def copy_state(state: dict) -> dict:
     return torch.load(buffer, weights_only=True)
 
 
-def record_stage_steps(checkpoint: dict, steps: dict[int, Optional[int]], filepath: str) -> None:
+def record_stage_steps(checkpoint: dict, steps: dict[int, Optional[int]]) -> None:
     """Record in ``checkpoint`` the step each stage's gathered state is at, and whether they are all the same: stages
     step on their own, so a checkpoint gathered while the swarm trains may cut it between two steps of one stage.
     Such a checkpoint is marked and warned about; it still loads, each stage at its own step."""
@@ -104,9 +102,90 @@ def record_stage_steps(checkpoint: dict, steps: dict[int, Optional[int]], filepa
     checkpoint[CONSISTENT_KEY] = len(known) <= 1
     if len(known) > 1:
         log.warning(
-            "Checkpoint %s: the stages were gathered at different steps (%s): a cut between steps, recorded in the "
-            "checkpoint as %s=False. Save when training ends (or when the stages are idle) for a consistent one",
-            filepath,
+            "Checkpoint of step %s: the stages were gathered at different steps (%s): a cut between steps, recorded "
+            "in the checkpoint as %s=False. Save when training ends (or when the stages are idle) for a consistent one",
+            checkpoint.get("global_step"),
             ", ".join(f"stage {k}: {step}" for k, step in sorted(steps.items())),
             CONSISTENT_KEY,
         )
+
+
+class StageStates(Protocol):
+    """Where the stages' current states come from (:class:`~lightning_swarm.server.stage_host.StageHost`)."""
+
+    def fetch_state_and_step(self, stage: int) -> tuple[dict[str, torch.Tensor], Optional[int]]: ...
+
+    def fetch_optimizer_state(self, stage: int) -> dict[str, Any]: ...
+
+
+def add_stages(
+    checkpoint: dict[str, Any], pipeline_name: str, spans: list[partitioning.StageSpan], source: Optional[StageStates]
+) -> None:
+    """Complete a checkpoint whose state dict holds the local modules: add every stage's current state and, if it
+    holds optimizer states, each stage optimizer's (stages whose optimizer state cannot be had are left out, with a
+    warning: their optimizers restart on resume), and the step each stage's state is at (:func:`record_stage_steps`).
+    ``source`` None: this peer is not in the swarm."""
+    if source is None:
+        raise RuntimeError(
+            "The complete model is gathered from the swarm: save checkpoints while this peer is in it (during "
+            "fit, e.g. with ModelCheckpoint or in on_train_end), not after fit/validate/test returned"
+        )
+    state, steps = checkpoint["state_dict"], {}
+    for span in spans:
+        stage_state, steps[span.index] = source.fetch_state_and_step(span.index)
+        for key, tensor in stage_state.items():
+            state[partitioning.stage_state_key(pipeline_name, span, key)] = tensor
+    record_stage_steps(checkpoint, steps)
+    if "optimizer_states" not in checkpoint:
+        return
+    optimizers = checkpoint[STAGE_OPTIMIZERS_KEY] = {}
+    for span in spans:
+        try:
+            optimizers[span.index] = optimizer_state(source.fetch_optimizer_state(span.index))
+        except Exception as e:
+            log.warning("Checkpoint without the optimizer state of stage %d: %r", span.index, e)
+
+
+class SwarmCheckpointIO(CheckpointIO):
+    """Lightning's checkpoint writing for a swarm peer: every peer's ``ModelCheckpoint`` saves the complete model,
+    one of them is enough.
+
+    A path is written only by the peer that claims it (:func:`claim`; without a swarm, always), which then
+    ``complete``s the checkpoint (gathers every stage, and their optimizers, from live peers: the others never
+    gather), writes it with ``checkpoint_io`` and announces it (a stage that loses all its peers is restored from
+    the latest). A peer removes only the checkpoints it wrote: another peer's ``ModelCheckpoint`` must not delete
+    them.
+    """
+
+    def __init__(self, checkpoint_io: CheckpointIO, complete: Callable[[dict[str, Any]], None]) -> None:
+        self.checkpoint_io, self.complete = checkpoint_io, complete
+        self.node: Optional[SwarmNode] = None
+        self.run_id, self.settle = "", 1.0
+        self.written: set[str] = set()
+
+    def join(self, node: SwarmNode, run_id: str, settle: float) -> None:
+        """Claim and announce paths in this swarm from now on."""
+        self.node, self.run_id, self.settle = node, run_id, settle
+
+    def leave(self) -> None:
+        self.node = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        if self.node is not None and not claim(self.node, self.run_id, str(path), settle=self.settle):
+            return
+        self.complete(checkpoint)
+        self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
+        self.written.add(os.path.abspath(str(path)))
+        if self.node is not None:
+            announce(self.node, self.run_id, str(path), checkpoint.get("global_step"))
+
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, **kwargs: Any) -> dict[str, Any]:
+        return self.checkpoint_io.load_checkpoint(path, map_location, **kwargs)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        if os.path.abspath(str(path)) in self.written:
+            self.written.discard(os.path.abspath(str(path)))
+            self.checkpoint_io.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.checkpoint_io.teardown()

@@ -2,19 +2,21 @@
 
 Each serving peer stores, under ``<run_id>_stage<k>`` with its peer id as subkey, a tuple
 ``(state, throughput, queue, training[, address])``, refreshed every ``update_period`` seconds and expiring after
-``2 * update_period``.
+``2 * update_period``. Every DHT key of a run is named here (records, the run's layout, optimizer prefixes,
+checkpoint claims and the latest checkpoint).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Callable, Optional
 
 from lightning_swarm.node import SwarmNode
+from lightning_swarm.periodic import PeriodicThread
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,20 @@ def meta_key(run_id: str) -> str:
     return f"{run_id}_meta"
 
 
+def optimizer_prefix(run_id: str, stage: Optional[int]) -> str:
+    """The hivemind prefix of a stage's optimizer (None: the trainers' local optimizer), under which its progress
+    and averaging live in the DHT."""
+    return f"{run_id}_local" if stage is None else f"{run_id}_stage{stage}"
+
+
+def checkpoint_claims_key(run_id: str) -> str:
+    return f"{run_id}_checkpoints"
+
+
+def latest_checkpoint_key(run_id: str) -> str:
+    return f"{run_id}_latest_checkpoint"
+
+
 def fetch_stage(node: SwarmNode, run_id: str, stage: Optional[int]) -> dict[str, PeerRecord]:
     """Live records of the peers of one stage, by peer id (base58)."""
     found = node.dht_get(stage_key(run_id, stage)) or {}
@@ -99,7 +115,39 @@ def check_run_meta(node: SwarmNode, run_id: str, meta: dict, ttl: float) -> None
     node.dht_store(meta_key(run_id), str(node.peer_id), meta, ttl)
 
 
-class Announcer:
+def read_num_stages(node: SwarmNode, run_id: str) -> Optional[int]:
+    """The stage count the run's peers published (the most common one, should they disagree)."""
+    found = node.dht_get(meta_key(run_id)) or {}
+    counts = Counter(
+        meta["num_stages"]
+        for meta in found.values()
+        if isinstance(meta, dict) and isinstance(meta.get("num_stages"), int) and meta["num_stages"] > 0
+    )
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def probe_num_stages(node: SwarmNode, run_id: str, gap: int = 4, limit: int = 256) -> int:
+    """Without published metadata: one more than the highest stage with a live peer (0 when none has)."""
+    last, k = -1, 0
+    while k < limit and k - last <= gap:
+        if fetch_stage(node, run_id, k):
+            last = k
+        k += 1
+    return last + 1
+
+
+def read_step(node: SwarmNode, prefix: str) -> Optional[int]:
+    """The highest epoch (optimizer step) any peer reports in hivemind's progress records under ``prefix``."""
+    found = node.dht_get(f"{prefix}_progress") or {}
+    epochs = [
+        value["epoch"]
+        for value in found.values()
+        if isinstance(value, dict) and isinstance(value.get("epoch"), int) and not isinstance(value["epoch"], bool)
+    ]
+    return max(epochs) if epochs else None
+
+
+class Announcer(PeriodicThread):
     """A daemon thread that keeps this peer's record fresh, so routers find it and stop finding it once it is gone."""
 
     def __init__(
@@ -110,15 +158,18 @@ class Announcer:
         update_period: float,
         layout: Optional[dict] = None,
     ) -> None:
+        super().__init__("swarm-announcer")
         self.node, self.run_id, self.make_record = node, run_id, make_record
         self.update_period, self.layout = update_period, layout
+        self.first_delay = update_period
         self._layout_stored_at = time.monotonic()  # check_run_meta stored it when the peer joined
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="swarm-announcer", daemon=True)
 
     def start(self) -> None:
         self.announce()
-        self._thread.start()
+        super().start()
+
+    def delay(self) -> float:
+        return self.update_period
 
     def announce(self, record: Optional[PeerRecord] = None, ttl: Optional[float] = None) -> None:
         """Store ``record`` (by default, the current one) for ``ttl`` seconds (by default, two update periods)."""
@@ -129,26 +180,23 @@ class Announcer:
         except Exception as e:  # a missed refresh is retried next period; the record outlives one miss
             log.warning("Could not announce stage %d: %r", record.stage, e)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.update_period):
-            self.announce()
-            ttl = max(60.0, 6 * self.update_period)
-            if self.layout is not None and time.monotonic() - self._layout_stored_at > ttl / 3:
-                try:  # the run's layout outlives its first peers: tools read it (status)
-                    self.node.dht_store(meta_key(self.run_id), str(self.node.peer_id), self.layout, ttl)
-                    self._layout_stored_at = time.monotonic()
-                except Exception as e:
-                    log.warning("Could not refresh the run's layout: %r", e)
+    def tick(self) -> None:
+        self.announce()
+        ttl = max(60.0, 6 * self.update_period)
+        if self.layout is not None and time.monotonic() - self._layout_stored_at > ttl / 3:
+            try:  # the run's layout outlives its first peers: tools read it (status)
+                self.node.dht_store(meta_key(self.run_id), str(self.node.peer_id), self.layout, ttl)
+                self._layout_stored_at = time.monotonic()
+            except Exception as e:
+                log.warning("Could not refresh the run's layout: %r", e)
 
     def stop(self, final: Optional[PeerRecord] = None) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self.node.timeout)
+        super().stop()
         if final is not None:
             self.announce(final)
 
 
-class SwarmWatcher:
+class SwarmWatcher(PeriodicThread):
     """A daemon thread that reads the whole swarm's records every ``period`` seconds, keeps the latest view, and
     reports the differences between two views: peers that joined, left, or moved to another stage.
 
@@ -166,29 +214,17 @@ class SwarmWatcher:
         period: float,
         on_change: Callable[[str, str, Optional[PeerRecord], Optional[PeerRecord]], None],
     ) -> None:
+        super().__init__("swarm-watcher")
         self.node, self.run_id, self.num_stages, self.period = node, run_id, num_stages, period
         self.on_change = on_change
         self.latest: Optional[list[dict[str, PeerRecord]]] = None  # one dict per stage
         self.drivers: dict[str, PeerRecord] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="swarm-watcher", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
+    def tick(self) -> None:
+        self.refresh()
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self.node.timeout)
-
-    def _run(self) -> None:
-        while True:
-            try:
-                self.refresh()
-            except Exception as e:  # the next period reads again
-                log.warning("Could not read the swarm: %r", e)
-            if self._stop.wait(self.period):
-                return
+    def delay(self) -> float:
+        return self.period
 
     def refresh(self) -> list[dict[str, PeerRecord]]:
         swarm, drivers = fetch_swarm(self.node, self.run_id, self.num_stages), fetch_stage(self.node, self.run_id, None)

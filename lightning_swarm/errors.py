@@ -3,8 +3,6 @@ call is the caller's (it raises) or a peer's (the work goes to another peer, or 
 
 from __future__ import annotations
 
-from typing import Optional
-
 
 class SwarmRequestError(ValueError):
     """A stage server refused a request as malformed (bad shape, dtype, size, metadata): the caller got it wrong,
@@ -60,29 +58,6 @@ def failure_line(exception: BaseException) -> str:
     return f"Training failed, leaving the swarm now: {type(exception).__name__}: {exception}"
 
 
-# what a stage server sends back by name (libp2p and the direct path alike), and callers raise again by that name
-WIRE_ERRORS: dict[str, type[Exception]] = {
-    kind.__name__: kind
-    for kind in (
-        SwarmRequestError,
-        PeerNotAllowedError,
-        StageBusyError,
-        StageFailedError,
-        ActivationsLostError,
-        NotServingError,
-    )
-}
-
-
 # a failed call that was the caller's own fault, which it raises: a refused request or a refused caller. Any other
 # failure is the peer's (crashed, overloaded, stale, not ready, a bad reply), and the work fails over or waits.
 CALLERS_FAULT: tuple[type[Exception], ...] = (SwarmRequestError, PeerNotAllowedError)
-
-
-def from_wire(message: str) -> Optional[Exception]:
-    """The swarm error named at the start of a remote error ``message`` (``"Kind: ..."`` or ``"Kind('...')"``), or
-    None when it names none (then it is the peer's failure)."""
-    for name, kind in WIRE_ERRORS.items():
-        if message.startswith(name) or f" {name}(" in message or f" {name}:" in message:
-            return kind(message)
-    return None

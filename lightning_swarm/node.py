@@ -16,6 +16,7 @@ import time
 from typing import Any, Awaitable, Optional, Sequence, TypeVar
 
 from hivemind.dht import DHT
+from hivemind.dht.validation import RecordValidatorBase
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
@@ -41,12 +42,14 @@ class SwarmNode:
         identity_path: Optional[str] = None,
         timeout: float = 30.0,
         policy: Optional[AccessPolicy] = None,
+        record_validators: Sequence[RecordValidatorBase] = (),
     ) -> None:
         self.initial_peers = list(initial_peers)
         self.policy = policy  # who may talk to this peer (allow-list, secret): see lightning_swarm.security
         self.host_maddrs = list(host_maddrs)
         self.announce_maddrs = list(announce_maddrs)
         self.identity_path = identity_path
+        self.record_validators = list(record_validators)  # beyond those of the policy
         self.timeout = timeout
         self.dht: Optional[DHT] = None
         self.p2p: Optional[P2P] = None
@@ -91,7 +94,7 @@ class SwarmNode:
 
     def _create_dht(self) -> DHT:
         loopback_only = all(m.startswith("/ip4/127.") for m in self.host_maddrs)
-        validators, authorizer, identity_path = [], None, self.identity_path
+        validators, authorizer, identity_path = list(self.record_validators), None, self.identity_path
         if self.policy is not None:
             if self.policy.allowed is not None:  # the guard needs our peer id before the DHT process forks
                 identity_path = identity_path or self._temporary_identity()
@@ -139,6 +142,15 @@ class SwarmNode:
         """Full multiaddrs (with /p2p/<id>) that other peers pass as ``initial_peers``."""
         future = self.dht.run_coroutine(_visible_maddrs, return_future=True)
         return [str(m) for m in future.result(timeout=self.timeout)]
+
+    def publish_addresses(self, address_file: Optional[str] = None) -> list[str]:
+        """This peer's multiaddrs, written to ``address_file`` (one per line, replaced at once) if given."""
+        addresses = self.visible_maddrs()
+        if address_file:
+            with open(address_file + ".tmp", "w") as f:
+                f.write("\n".join(addresses) + "\n")
+            os.replace(address_file + ".tmp", address_file)
+        return addresses
 
     def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
         """Run a coroutine on the RPC event loop from synchronous code and wait for it, with a timeout."""

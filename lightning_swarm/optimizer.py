@@ -343,18 +343,29 @@ def swarm_optimizer(
     else:
         create_state(optimizer)
         setup = dict(optimizer=optimizer)
-    request_timeout = min(1.0, matchmaking_time / 2)  # hivemind: must stay below matchmaking time
     return SwarmOptimizer(
         dht=dht,
         run_id=prefix,
         target_batch_size=target_batch_size,
         **setup,
-        matchmaking_time=matchmaking_time,
-        averaging_timeout=averaging_timeout,
-        load_state_timeout=averaging_timeout,
+        **hivemind_tuning(matchmaking_time, averaging_timeout),
         delay_state_averaging=delayed,
         delay_optimizer_step=delayed,
         delay_grad_averaging=delayed,
+        shutdown_timeout=2,
+        verbose=False,
+    )
+
+
+def hivemind_tuning(matchmaking_time: float, averaging_timeout: float) -> dict[str, Any]:
+    """``hivemind.Optimizer`` arguments that make its peers find each other within ``matchmaking_time`` and give
+    up on an all-reduce (or a state download) after ``averaging_timeout``: the swarm's optimizers and the hivemind
+    baseline (benchmarks/baselines.py) use the same."""
+    request_timeout = min(1.0, matchmaking_time / 2)  # hivemind: must stay below matchmaking time
+    return dict(
+        matchmaking_time=matchmaking_time,
+        averaging_timeout=averaging_timeout,
+        load_state_timeout=averaging_timeout,
         # hivemind 1.1.12 passes averager_opts to the state averager only: the gradient averager's go here
         averager_opts=dict(request_timeout=request_timeout),
         grad_averager_factory=partial(GradientAverager, request_timeout=request_timeout),
@@ -365,6 +376,4 @@ def swarm_optimizer(
             default_refresh_period=max(0.5, matchmaking_time / 2),
             metadata_expiration=4 * averaging_timeout,
         ),
-        shutdown_timeout=2,
-        verbose=False,
     )

@@ -9,8 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from torch import nn
+
+from lightning_swarm.optimizer import restrict_to
 
 
 @dataclass(frozen=True)
@@ -92,3 +96,25 @@ def stage_state_key(pipeline_name: str, span: StageSpan, key: str) -> str:
     """Map a stage-local state-dict key ('0.attn.weight') to the LightningModule's ('blocks.2.attn.weight')."""
     block, _, rest = key.partition(".")
     return f"{pipeline_name}.{span.start + int(block)}.{rest}"
+
+
+def stage_optimizer(module: LightningModule, pipeline_name: str, stage: nn.Module) -> torch.optim.Optimizer:
+    """The user's optimizer (class and per-group hyper-parameters) over ``stage``'s parameters only.
+
+    ``configure_optimizers`` runs with the stage in the pipeline's place, so that ``self.parameters()`` covers
+    exactly the local modules and this stage.
+    """
+    pipeline = getattr(module, pipeline_name)
+    setattr(module, pipeline_name, stage)
+    try:
+        optimizers, _ = _init_optimizers_and_lr_schedulers(module)
+    finally:
+        setattr(module, pipeline_name, pipeline)
+    return restrict_to(single_optimizer(optimizers), stage.parameters())
+
+
+def single_optimizer(optimizers: list[torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    """The one optimizer ``configure_optimizers`` returned (a swarm trains with one)."""
+    if len(optimizers) != 1:
+        raise ValueError(f"SwarmStrategy supports one optimizer; configure_optimizers returned {len(optimizers)}")
+    return optimizers[0]

@@ -1,7 +1,9 @@
 """The wire format shared by stage servers and routers: hivemind's ExpertRequest/ExpertResponse messages whose
 ``tensors`` hold the (compressed) tensors and whose ``metadata`` holds a small msgpack dict.
 
-Requests and replies above hivemind's unary payload limit travel as streams of chunks.
+Requests and replies above hivemind's unary payload limit travel as streams of chunks. A stage is named on the wire
+by :func:`stage_uid`; a server's errors cross it by class name (:func:`error_for_wire`, :func:`error_from_wire`),
+on libp2p and on the direct path alike.
 """
 
 from __future__ import annotations
@@ -14,9 +16,42 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import aiter_with_timeout, iter_as_aiter
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from lightning_swarm.errors import SwarmRequestError
+from lightning_swarm.errors import (
+    ActivationsLostError,
+    NotServingError,
+    PeerNotAllowedError,
+    StageBusyError,
+    StageFailedError,
+    SwarmRequestError,
+)
+
+# what a stage server sends back by name (libp2p and the direct path alike), and callers raise again by that name
+WIRE_ERRORS = (
+    SwarmRequestError,
+    PeerNotAllowedError,
+    StageBusyError,
+    StageFailedError,
+    ActivationsLostError,
+    NotServingError,
+)
 
 CHUNK_BYTES = DEFAULT_MAX_MSG_SIZE // 2
+
+
+def stage_uid(run_id: str, stage: int) -> str:
+    return f"{run_id}.stage{stage}"
+
+
+def error_for_wire(error: Exception) -> Exception:
+    """The error a server raises so that its class name reaches the caller (hivemind sends ``str(e)`` only)."""
+    return type(error)(repr(error))
+
+
+def error_from_wire(text: str) -> Exception | None:
+    """The swarm error a server raised, from the text that crossed the wire (the class named first in it), or
+    None for another error."""
+    named = [(text.find(kind.__name__), i) for i, kind in enumerate(WIRE_ERRORS) if kind.__name__ in text]
+    return WIRE_ERRORS[min(named)[1]](text) if named else None
 
 
 def payload_bytes(tensors: Sequence[runtime_pb2.Tensor]) -> int:

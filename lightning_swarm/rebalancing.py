@@ -35,6 +35,7 @@ from typing import Callable, Iterator, Optional
 
 from lightning_swarm.discovery import PeerRecord, PeerState, current_records, fetch_swarm, store_record
 from lightning_swarm.node import SwarmNode
+from lightning_swarm.periodic import PeriodicThread
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ def _tiebreak(peer_id: str, round_: int) -> str:
     return hashlib.sha256(f"{round_}:{peer_id}".encode()).hexdigest()
 
 
-class Rebalancer:
+class Rebalancer(PeriodicThread):
     """A daemon thread that makes the plan every ``period`` seconds and asks this peer to move when it is chosen.
 
     Rounds are aligned to the clock (``time.time() // period``) so that peers plan from about the same records;
@@ -242,38 +243,26 @@ class Rebalancer:
         margin: float = DEFAULT_MARGIN,
         cooldown: Optional[float] = None,
     ) -> None:
+        super().__init__("swarm-rebalancer")
         self.peer_id, self.period, self.margin = peer_id, period, margin
         self.cooldown = 2 * period if cooldown is None else cooldown
         self.read_swarm, self.request_move = read_swarm, request_move
         self.moved_at = time.monotonic()  # joining counts as a move: a newcomer first lets the swarm settle
         self.paused = threading.Event()  # set while the peer must not move (e.g. it is moving, or leaving)
-        self._stop = threading.Event()
         self._rng = random.Random()
-        self._thread = threading.Thread(target=self._run, name="swarm-rebalancer", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+        self.first_delay = self.delay()
 
     def moved(self) -> None:
         self.moved_at = time.monotonic()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._until_next_round()):
-            try:
-                self.tick(int(time.time() // self.period))
-            except Exception as e:  # a failed round is skipped; the next one reads fresh records
-                log.warning("Rebalancing round failed: %r", e)
-
-    def _until_next_round(self) -> float:
+    def delay(self) -> float:
+        """Until a little after the next round starts."""
         return self.period - time.time() % self.period + self._rng.uniform(0.2, 0.4) * self.period
 
-    def tick(self, round_: int) -> Optional[Move]:
-        """Plan one round; returns (and requests) this peer's move if it is chosen and free to move."""
+    def tick(self, round_: Optional[int] = None) -> Optional[Move]:
+        """Plan one round (by default, the current one); returns (and requests) this peer's move if it is chosen
+        and free to move. A failed round is skipped; the next one reads fresh records."""
+        round_ = int(time.time() // self.period) if round_ is None else round_
         if self.paused.is_set():
             return None
         swarm = self.read_swarm()

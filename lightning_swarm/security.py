@@ -307,3 +307,32 @@ def _log_refusal(what: str) -> None:
     if now - _last_refusal.get(what, -_REFUSAL_LOG_PERIOD) >= _REFUSAL_LOG_PERIOD:
         _last_refusal[what] = now
         log.warning("Refused %s", what)
+
+
+def read_secret(secret_path: str) -> bytes:
+    """The swarm's secret from a file: its bytes, surrounding whitespace stripped (an empty file is refused)."""
+    with open(secret_path, "rb") as f:
+        secret = f.read().strip()
+    if not secret:
+        raise ValueError(f"secret_path={secret_path!r} is empty")
+    return secret
+
+
+def peer_policy(
+    allowed_peers: Optional[Iterable[str]],
+    secret: Optional[str],
+    secret_path: Optional[str],
+    identity_path: Optional[str],
+) -> Optional[AccessPolicy]:
+    """Who may talk to a peer started with these settings (None: anyone); an allow-list must list the peer itself,
+    whose stable identity is ``identity_path``."""
+    policy = AccessPolicy.create(allowed_peers, read_secret(secret_path) if secret_path else secret)
+    if policy is not None and policy.allowed is not None:
+        if not identity_path:
+            raise ValueError("allowed_peers needs identity_path: this peer's stable identity, which must be listed")
+        own = create_identity(identity_path)
+        if own not in policy.allowed:
+            raise ValueError(f"This peer's id {own} (identity_path={identity_path!r}) is not on allowed_peers")
+    if policy is not None:
+        log.warning("Private swarm: %r", policy)
+    return policy

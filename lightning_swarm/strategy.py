@@ -1,69 +1,54 @@
-"""``SwarmStrategy``: SWARM parallelism as a Lightning strategy.
+"""``SwarmStrategy``: SWARM parallelism as a Lightning strategy, and the table of contents of the package.
 
-This file is the table of contents. Each step of SWARM lives in its own module:
-
-- :mod:`~lightning_swarm.node`: the peer's DHT and libp2p daemon;
-- :mod:`~lightning_swarm.partitioning`: cutting the pipeline into stages;
-- :mod:`~lightning_swarm.discovery`: who serves which stage (DHT records);
-- :mod:`~lightning_swarm.server.stage_server`: serving a stage's forward and backward;
-- :mod:`~lightning_swarm.optimizer`: per-stage and local optimizers that all-reduce at the target batch size;
-- :mod:`~lightning_swarm.client.routing`: stochastic wiring with failover;
-- :mod:`~lightning_swarm.client.remote_pipeline`: the module that replaces the pipeline in ``training_step``;
-- :mod:`~lightning_swarm.compression`: 8-bit activations and gradients on the wire;
-- :mod:`~lightning_swarm.rebalancing`: peers move from stages with spare capacity to the bottleneck;
-- :mod:`~lightning_swarm.events` and :mod:`~lightning_swarm.callbacks`: swarm events for Lightning callbacks;
-- :mod:`~lightning_swarm.checkpointing`: complete checkpoints (stage optimizers, one writer, the latest one).
+The strategy answers Lightning's hooks, cuts the model (:mod:`~lightning_swarm.partitioning`), puts the remote
+pipeline (:mod:`~lightning_swarm.client`) in the pipeline's place, wraps the local optimizer
+(:mod:`~lightning_swarm.optimizer`) and hands swarm events to callbacks (:mod:`~lightning_swarm.callbacks`).
+It hands the serving side to one object, :class:`~lightning_swarm.server.stage_host.StageHost` (join, serve, move,
+leave, records and metrics; its :mod:`~lightning_swarm.server.stage_server` steps the stage's optimizer). Settings
+are :class:`~lightning_swarm.settings.SwarmSettings`; checkpoints are written by
+:class:`~lightning_swarm.checkpointing.SwarmCheckpointIO`; signals are handled by
+:class:`~lightning_swarm.signals.SignalGuard`. The wire: :mod:`~lightning_swarm.protocol`,
+:mod:`~lightning_swarm.compression`, :mod:`~lightning_swarm.transport`; the swarm: :mod:`~lightning_swarm.node`,
+:mod:`~lightning_swarm.discovery`, :mod:`~lightning_swarm.rebalancing`, :mod:`~lightning_swarm.security`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
+import dataclasses
 import logging
-import multiprocessing
-import os
-import re
-import signal
 import threading
-import time
+from functools import partial
 from typing import Any, Callable, Generator, Literal, Optional, TypeVar, Union
 
 import torch
 from lightning.fabric.utilities.init import _materialize_meta_tensors
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.optim import Optimizer
 
-from lightning_swarm import checkpointing, discovery, partitioning, rebalancing, security, transport
+from lightning_swarm import checkpointing, discovery, partitioning, rebalancing, security, settings
 from lightning_swarm.callbacks import dispatch
-from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY
-from lightning_swarm.client.microbatch_tuning import check_microbatches
+from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY, SwarmCheckpointIO
 from lightning_swarm.client.remote_pipeline import RemotePipeline
-from lightning_swarm.client.routing import WAIT_LOG_PERIOD, StageRouter
-from lightning_swarm.compression import Codec, check_codec
-from lightning_swarm.discovery import Announcer, PeerRecord, PeerState
-from lightning_swarm.errors import StageUnavailableError, failure_line
-from lightning_swarm.events import EventQueue, PeerJoined, PeerLeft, StageChanged, StageStep
-from lightning_swarm.logs import RateLimit
-from lightning_swarm.node import LOOPBACK_MADDRS, SwarmNode, kill_daemon
-from lightning_swarm.optimizer import restrict_to, swarm_optimizer, train_batch_size
+from lightning_swarm.client.routing import StageRouter
+from lightning_swarm.compression import Codec
+from lightning_swarm.errors import failure_line
+from lightning_swarm.events import EventQueue
+from lightning_swarm.node import SwarmNode
+from lightning_swarm.optimizer import SwarmOptimizer, swarm_optimizer, train_batch_size
 from lightning_swarm.precision import check_precision
-from lightning_swarm.rebalancing import Move, Plan, Rebalancer
-from lightning_swarm.security import AccessPolicy
-from lightning_swarm.server.out_of_core import check_out_of_core, prepare_stage
-from lightning_swarm.server.stage_server import StageServer
-from lightning_swarm.transport import DirectServer
+from lightning_swarm.server.out_of_core import prepare_stage
+from lightning_swarm.server.stage_host import LEAVE_GRACE, Stage, StageHost
+from lightning_swarm.settings import Role, SwarmSettings
+from lightning_swarm.signals import SignalGuard
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-Role = Literal["both", "serve", "drive"]
-ENV_PREFIX = "SWARM_"
-LEAVE_GRACE = 10.0  # seconds a peer leaving its stage keeps answering the requests already sent to it
 
 
 class SwarmStrategy(Strategy):
@@ -74,91 +59,11 @@ class SwarmStrategy(Strategy):
     one stage and, by default, also drives its own batches through the swarm. Modules outside the pipeline stay
     local and are trained data-parallel across the driving peers.
 
-    Arguments left as ``None`` are read from environment variables named ``SWARM_<ARGUMENT>`` in upper case
-    (``SWARM_RUN_ID``, ``SWARM_INITIAL_PEERS``, ``SWARM_NUM_STAGES``, ``SWARM_ROLE``, ...), so that
-    ``Trainer(strategy="swarm")`` can be configured from the shell. Lists are comma separated.
+    Every argument is a :class:`~lightning_swarm.settings.SwarmSettings` field (``self.settings``); one left as
+    ``None`` is read from the environment variable ``SWARM_<ARGUMENT>`` in upper case (``SWARM_RUN_ID``,
+    ``SWARM_INITIAL_PEERS``, ``SWARM_NUM_STAGES``, ``SWARM_ROLE``, ...), so that ``Trainer(strategy="swarm")`` can
+    be configured from the shell. Lists are comma separated.
 
-    Args:
-        run_id: name of the swarm; peers with the same ``run_id`` train together (letters, digits, ``_``, ``-``).
-        num_stages: number of pipeline stages. Every peer of a run must use the same value.
-        initial_peers: multiaddrs of any live peers (``/ip4/.../tcp/.../p2p/...``). None or empty: start a new
-            swarm and log the address others join with.
-        pipeline: attribute name of the ``nn.Sequential`` to cut into stages. None: the direct child
-            ``nn.Sequential`` with the most parameters.
-        role: ``"both"`` serves a stage and trains on this process's data; ``"serve"`` only serves (``fit`` serves
-            until the process receives SIGTERM or SIGINT); ``"drive"`` only sends its batches through the swarm.
-        stage: the stage to serve. None: the stage with the fewest peers when this peer joins.
-        target_batch_size: samples (summed over the swarm) after which a stage, and the local parameters, take an
-            optimizer step. None: this peer's batch size, from ``datamodule.batch_size`` or else the train
-            DataLoader's ``batch_size``.
-        compression: codec for activations and their gradients between stages: ``"8bit"`` (blockwise),
-            ``"float16"`` or ``"none"``.
-        delayed_updates: a stage's all-reduce and optimizer step run in the background while its peer keeps
-            serving with the previous parameters; the new ones serve from the first forward after the step
-            finished (one step of staleness at most, only for work done during the step). Default True.
-        microbatches: a training batch is split into this many microbatches that travel through the stages
-            concurrently, so that one trainer keeps several stages busy and transfers overlap compute (loss and
-            gradients equal the unsplit batch's). Uses the largest divisor of the batch size not above it.
-            Default ``"auto"``: measured: starts at two per stage (``2 * num_stages``) and climbs to the
-            neighbouring divisor of the batch size while that is at least 5% faster over a few batches.
-        checkpoint_activations: a stage server keeps only each block's input from a training forward and
-            recomputes the block in backward (activation checkpointing): memory stays flat with many microbatches in
-            flight, for about one more forward of compute. Default False.
-        max_activation_bytes: memory a stage server spends on keeping training forwards' activations until their
-            backward arrives, so that backward computes no forward again (what autograd saved, counted as it saves
-            it). Beyond it (or after ``activation_timeout`` seconds) the oldest are dropped and their backward
-            recomputes. None or ``"auto"``: half of the GPU's free memory once the stage is loaded (peers sharing
-            a GPU should set it), 1 GiB on the CPU.
-        activation_timeout: seconds a stage server keeps a forward's activations. Default 120.
-        out_of_core: serve the stage with its parameters in host memory, each block copied onto the device just
-            before it runs (overlapping the previous block's compute), activations recomputed in backward and the
-            optimizer stepping on the host, so that a stage larger than the device's memory can be served (see
-            :mod:`~lightning_swarm.server.out_of_core`). ``"auto"``: only a stage whose parameters and gradients do
-            not fit in ``device_memory_budget``. Default ``"auto"``.
-        device_memory_budget: bytes of device memory the served stage's parameters and gradients may take; an
-            out-of-core stage plans which blocks stay on the device within it. None or ``"auto"``: the GPU's free
-            memory when the stage is loaded, less 20%; no limit on the CPU.
-        host_maddrs: multiaddrs to listen on. Default: loopback only; use ``/ip4/0.0.0.0/tcp/<port>`` to accept
-            peers from other machines.
-        announce_maddrs: multiaddrs other peers should dial (e.g. a public IP), when they differ from host_maddrs.
-        direct_path: activations and gradients travel on a direct TCP connection (ZeroMQ) between a trainer and a
-            stage server instead of through libp2p's daemon (several times faster); every connection first proves
-            the swarm's membership over libp2p. Payloads are not encrypted on it: see docs/multi_machine.md. A peer
-            whose direct address cannot be reached is called over libp2p. Default True.
-        direct_port: TCP port of this peer's direct path, on the IP of ``host_maddrs`` (advertised with the IP of
-            ``announce_maddrs`` when given). Default 0: any free port.
-        identity_path: file holding this peer's private key, for a stable peer id (created if missing).
-        allowed_peers: peer ids (or files listing one per line) of the only peers this peer talks to: the stage
-            servers, the DHT and the averagers of this peer refuse every other caller. Needs ``identity_path``,
-            whose peer id must be on the list (``lightning_swarm.security.create_identity(path)`` returns it).
-            See docs/private_swarm.md. None: anyone who can reach the swarm may join.
-        secret: a secret shared by the swarm's peers: DHT records and stage requests must carry an HMAC under it.
-            Prefer ``secret_path`` (a secret given as an argument may end up in logs or configs).
-        secret_path: file holding the swarm's secret (its bytes, surrounding whitespace stripped).
-        address_file: if set, this peer writes its multiaddrs there (one per line) once it is reachable.
-        matchmaking_time: seconds peers spend forming an all-reduce group before a step. Default 5.
-        averaging_timeout: seconds after which an all-reduce gives up and the peer steps with its own gradients.
-            Default 30.
-        request_timeout: seconds to wait for a stage's reply before trying another peer of the stage. Default 60.
-        max_retries: attempts on other peers before a microbatch's stage is reported unavailable. Default 5.
-        stage_wait_timeout: seconds a trainer waits, during training, for a stage that has no live peer at all (all
-            left or died) to be served again, logging which stage it waits for, before it stops with
-            ``StageUnavailableError``. Default 300.
-        ban_timeout: seconds a peer that failed a call is not chosen again (doubling on repeated failures). Default 15.
-        update_period: seconds between refreshes of this peer's DHT record. Default 10.
-        join_timeout: seconds a driving peer waits for every stage to have a live peer before training. Default 300.
-        linger: longest time, in seconds, a serving peer that finished training keeps serving while other peers are
-            still training (so that finishing first does not strand them). Default 300.
-        max_queue: requests a stage server keeps waiting; beyond that it answers "busy". Default 64.
-        max_request_bytes: largest request a stage server accepts. Default 256 MiB.
-        leave_timeout: after SIGTERM or SIGINT, the longest time in seconds this peer takes to leave: it finishes
-            the current step, announces it is leaving, answers the requests already sent to it and stops its
-            helper processes; past this time it kills them (p2pd included) and exits with code 1. Default 60.
-        rebalance_period: seconds between two rebalancing rounds, in which a serving peer may move from a stage
-            with spare capacity to the bottleneck stage (see :mod:`~lightning_swarm.rebalancing`); 0 turns
-            rebalancing off. ``stage`` is then only where a peer starts. Default 60.
-        throttle: slow this peer's stage server down by this factor on purpose (e.g. 3: a third of its speed), to
-            show or test a swarm of unequal peers on one machine. Default 1.
     """
 
     strategy_name = "swarm"
@@ -205,86 +110,29 @@ class SwarmStrategy(Strategy):
         throttle: Optional[float] = None,
     ) -> None:
         super().__init__()
-        self.run_id = _setting("run_id", run_id, str, "swarm")
-        if not re.fullmatch(r"[A-Za-z0-9_-]+", self.run_id):
-            raise ValueError(f"run_id={self.run_id!r}: use only letters, digits, '_' and '-'")
-        self.num_stages = _setting("num_stages", num_stages, int, 2)
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be at least 1, got {self.num_stages}")
-        self.initial_peers = _setting("initial_peers", initial_peers, _as_list, [])
-        self.pipeline = _setting("pipeline", pipeline, str, None)
-        self.role: str = _setting("role", role, str, "both")
-        if self.role not in ("both", "serve", "drive"):
-            raise ValueError(f"role={self.role!r}: choose 'both', 'serve' or 'drive'")
-        self.stage = _setting("stage", stage, int, None)
-        if self.stage is not None and not 0 <= self.stage < self.num_stages:
-            raise ValueError(f"stage={self.stage} is not one of the {self.num_stages} stages")
-        self.target_batch_size = _setting("target_batch_size", target_batch_size, int, None)
-        self.compression = check_codec(_setting("compression", compression, str, "8bit"))
-        self.delayed_updates = _setting("delayed_updates", delayed_updates, _flag, True)
-        self.microbatches = _setting("microbatches", microbatches, check_microbatches, "auto")
-        self.checkpoint_activations = _setting("checkpoint_activations", checkpoint_activations, _flag, False)
-        self.max_activation_bytes = _setting("max_activation_bytes", max_activation_bytes, _bytes_or_auto, None)
-        self.activation_timeout = _setting("activation_timeout", activation_timeout, float, 120.0)
-        self.out_of_core = _setting("out_of_core", out_of_core, check_out_of_core, "auto")
-        self.device_memory_budget = _setting("device_memory_budget", device_memory_budget, _bytes_or_auto, None)
-        self.host_maddrs = _setting("host_maddrs", host_maddrs, _as_list, list(LOOPBACK_MADDRS))
-        self.announce_maddrs = _setting("announce_maddrs", announce_maddrs, _as_list, [])
-        self.direct_path = _setting("direct_path", direct_path, _flag, True)
-        self.direct_port = _setting("direct_port", direct_port, int, 0)
-        if not 0 <= self.direct_port < 2**16:
-            raise ValueError(f"direct_port must be a TCP port (0: any free port), got {self.direct_port}")
-        self.identity_path = _setting("identity_path", identity_path, str, None)
-        self.allowed_peers = _setting("allowed_peers", allowed_peers, _as_list, None)
-        self.secret = _setting("secret", secret, str, None)
-        self.secret_path = _setting("secret_path", secret_path, str, None)
-        self.address_file = _setting("address_file", address_file, str, None)
-        self.matchmaking_time = _setting("matchmaking_time", matchmaking_time, float, 5.0)
-        self.averaging_timeout = _setting("averaging_timeout", averaging_timeout, float, 30.0)
-        self.request_timeout = _setting("request_timeout", request_timeout, float, 60.0)
-        self.max_retries = _setting("max_retries", max_retries, int, 5)
-        self.stage_wait_timeout = _setting("stage_wait_timeout", stage_wait_timeout, float, 300.0)
-        self.ban_timeout = _setting("ban_timeout", ban_timeout, float, 15.0)
-        self.update_period = _setting("update_period", update_period, float, 10.0)
-        self.join_timeout = _setting("join_timeout", join_timeout, float, 300.0)
-        self.linger = _setting("linger", linger, float, 300.0)
-        self.max_queue = _setting("max_queue", max_queue, int, 64)
-        self.max_request_bytes = _setting("max_request_bytes", max_request_bytes, int, 256 * 2**20)
-        self.leave_timeout = _setting("leave_timeout", leave_timeout, float, 60.0)
-        self.rebalance_period = _setting("rebalance_period", rebalance_period, float, 60.0)
-        if self.rebalance_period < 0:
-            raise ValueError(f"rebalance_period must be positive (or 0: off), got {self.rebalance_period}")
-        self.throttle = _setting("throttle", throttle, float, 1.0)
-        if self.throttle < 1:
-            raise ValueError(f"throttle must be at least 1 (a slowdown factor), got {self.throttle}")
+        self.settings = SwarmSettings.from_env(**{k: v for k, v in locals().items() if k in settings.names()})
         self.parallel_devices: Optional[list[torch.device]] = None  # filled in by Lightning's connector
 
         self.node: Optional[SwarmNode] = None
         self.router: Optional[StageRouter] = None
-        self.server: Optional[StageServer] = None
-        self._direct: Optional[DirectServer] = None  # the direct path's listener, started with the first stage served
-        self._direct_address = ""  # host:port others dial for it
-        self.served_stage: Optional[int] = None
-        self._stage_module: Optional[nn.Module] = None  # the blocks of the served stage, kept across runs
-        self._announcer: Optional[Announcer] = None
-        self._joining = False  # serving a stage whose state is still being downloaded
-        self._stage_optimizer = None
+        self.host: Optional[StageHost] = None  # the serving side, from setup to teardown
+        self.events = EventQueue()
+        self._stage: Optional[Stage] = None  # the blocks this peer serves, kept across runs
         self._spans: list[partitioning.StageSpan] = []
         self._pipeline_name: Optional[str] = None
-        self._batch_size: Optional[int] = None
-        self._stop_requested = threading.Event()
-        self._training = False
-        self._failure: Optional[BaseException] = None  # what made training raise (see on_exception)
-        self._gathered_steps: dict[int, Optional[int]] = {}  # each stage's step in the last model gathered
-        self._layout: Optional[dict] = None  # stage count and spans, published for peers and tools
         self._blueprint: Optional[nn.Sequential] = None  # the whole pipeline, blocks of other stages on meta
-        self.events = EventQueue()
-        self._watcher: Optional[discovery.SwarmWatcher] = None
-        self._rebalancer: Optional[Rebalancer] = None
-        self._pending_move: Optional[tuple[Move, Plan]] = None
-        self._move_lock = threading.Lock()
-        self._leave_deadline: Optional[threading.Timer] = None  # started by the first SIGTERM or SIGINT
-        self.rebalances = 0  # stage changes this peer saw (its own included)
+        self._batch_size: Optional[int] = None
+        self._checkpoint_stage_optimizers: Optional[dict] = None  # from fit(ckpt_path=...), for the stage served
+        self._stop_requested = threading.Event()  # set by a signal: finish the step, then leave
+        self._failure: Optional[BaseException] = None  # what made training raise (see on_exception)
+        self._signals = SignalGuard(self._stop_requested, self.leave_timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        """The settings read as the strategy's attributes (``strategy.run_id``)."""
+        found = self.__dict__.get("settings")
+        if found is not None and name in settings.names():
+            return getattr(found, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -329,38 +177,20 @@ class SwarmStrategy(Strategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._install_signal_handlers()
+        self._signals.install()
+        policy = security.peer_policy(self.allowed_peers, self.secret, self.secret_path, self.identity_path)
         self.node = SwarmNode(
-            self.initial_peers, self.host_maddrs, self.announce_maddrs, self.identity_path, policy=self._access_policy()
+            self.initial_peers, self.host_maddrs, self.announce_maddrs, self.identity_path, policy=policy
         ).start()
-        addresses = self.node.visible_maddrs()
-        if self.address_file:
-            with open(self.address_file + ".tmp", "w") as f:
-                f.write("\n".join(addresses) + "\n")
-            os.replace(self.address_file + ".tmp", self.address_file)
+        self._signals.daemon_pid = self.node.daemon_pid
+        if not isinstance(self.checkpoint_io, SwarmCheckpointIO):  # Lightning's default, or the user's plugin
+            self.checkpoint_io = SwarmCheckpointIO(self.checkpoint_io, self._complete_checkpoint)
+        self.checkpoint_io.join(self.node, self.run_id, settle=min(1.0, self.update_period))
+        addresses = self.node.publish_addresses(self.address_file)
         joined = "joined" if self.initial_peers else "started"
         log.warning(
             "Swarm %r %s. Other peers join with:\n  SWARM_INITIAL_PEERS=%s", self.run_id, joined, ",".join(addresses)
         )
-
-    def _access_policy(self) -> Optional[AccessPolicy]:
-        """Who may talk to this peer, from ``allowed_peers``, ``secret`` and ``secret_path`` (None: anyone)."""
-        secret: Optional[Union[str, bytes]] = self.secret
-        if self.secret_path:
-            with open(self.secret_path, "rb") as f:
-                secret = f.read().strip()
-            if not secret:
-                raise ValueError(f"secret_path={self.secret_path!r} is empty")
-        policy = AccessPolicy.create(self.allowed_peers, secret)
-        if policy is not None and policy.allowed is not None:
-            if not self.identity_path:
-                raise ValueError("allowed_peers needs identity_path: this peer's stable identity, which must be listed")
-            own = security.create_identity(self.identity_path)
-            if own not in policy.allowed:
-                raise ValueError(f"This peer's id {own} (identity_path={self.identity_path!r}) is not on allowed_peers")
-        if policy is not None:
-            log.warning("Private swarm: %r", policy)
-        return policy
 
     @contextlib.contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
@@ -393,38 +223,35 @@ class SwarmStrategy(Strategy):
         self._partition_and_serve(trainer, fitting)
         super().setup(trainer)
         if fitting and self.role != "serve":
-            self._wrap_local_optimizer(trainer)
+            self._wrap_local_optimizer()
         if self.role == "drive":
-            self._announcer = self._make_announcer()
-            self._announcer.start()
+            self.host.announce_driver()
         if self.role != "serve":
             if fitting:
-                self._set_training(True)  # about to train: peers that finished serve on for it (linger)
-            self._wait_for_stages()
+                self.host.set_training(True)  # about to train: peers that finished serve on for it (linger)
+            self.host.wait_for_stages()
         if fitting and self.role == "serve":
             self._serve_until_stopped(trainer)
 
+    @property
+    def served_stage(self) -> Optional[int]:
+        """The stage this peer serves (None: it only drives)."""
+        return None if self._stage is None else self._stage.index
+
     def on_train_start(self) -> None:
-        self._set_training(True)
+        self.host.set_training(True)
 
     def on_train_end(self) -> None:
         self._service()
-        if self._rebalancer is not None:
-            self._rebalancer.paused.set()  # about to leave: a move would only cost the swarm a download
-        self._set_training(False)
+        self.host.set_training(False)
 
     def on_exception(self, exception: BaseException) -> None:
         """Training raised: say why now (Lightning prints the traceback only after teardown) and tell the swarm this
         peer no longer trains, so that nobody lingers for it; it then leaves without lingering itself."""
         self._failure = exception
         log.error(failure_line(exception))
-        self._set_training(False)
-
-    def _set_training(self, training: bool) -> None:
-        """Tell the swarm whether this peer still trains: serving peers that finished wait for it."""
-        self._training = training
-        if self._announcer is not None:
-            self._announcer.announce()
+        if self.host is not None:
+            self.host.set_training(False)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._batch_size = extract_batch_size(batch)
@@ -434,24 +261,6 @@ class SwarmStrategy(Strategy):
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         return super().optimizer_step(optimizer, closure, model, batch_size=self._batch_size, **kwargs)
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The complete model: local modules plus every stage's current state, gathered from live peers."""
-        state = super().lightning_module_state_dict()
-        if self._pipeline_name is None:
-            return state
-        if self.router is None:
-            raise RuntimeError(
-                "The complete model is gathered from the swarm: save checkpoints while this peer is in it (during "
-                "fit, e.g. with ModelCheckpoint or in on_train_end), not after fit/validate/test returned"
-            )
-        state = {k: v for k, v in state.items() if not k.startswith(self._pipeline_name + ".")}
-        self._gathered_steps = {}  # recorded in the checkpoint by save_checkpoint
-        for span in self._spans:
-            stage_state, self._gathered_steps[span.index] = self.fetch_stage_state_and_step(span.index)
-            for key, tensor in stage_state.items():
-                state[partitioning.stage_state_key(self._pipeline_name, span, key)] = tensor
-        return state
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Load a checkpoint (``fit(ckpt_path=...)``): every stage this peer serves is seeded from it.
@@ -471,78 +280,18 @@ class SwarmStrategy(Strategy):
             return
         prefix = self._pipeline_name + "."
         module.load_state_dict({k: v for k, v in state.items() if not k.startswith(prefix)}, strict=False)
-        if self._stage_module is not None:
-            span = self._spans[self.served_stage]
-            stage_state = checkpointing.stage_state(state, self._pipeline_name, span, self._stage_module)
-            with self.server.lock if self.server is not None else contextlib.nullcontext():
-                self._stage_module.load_state_dict(stage_state, strict=strict)
+        if self._stage is not None:
+            stage_state = self._stage.state_from(state)
+            if self.host is not None:
+                self.host.load_state(stage_state, strict)
+            else:
+                self._stage.module.load_state_dict(stage_state, strict=strict)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write ``filepath`` unless another peer of the swarm writes the same path now (see
-        :meth:`claim_checkpoint`): every peer's ``ModelCheckpoint`` saves the complete model, one of them is enough."""
-        if self.node is not None and not self.claim_checkpoint(str(filepath)):
-            return
-        if "optimizer_states" in checkpoint and self.router is not None and self._pipeline_name is not None:
-            checkpoint[STAGE_OPTIMIZERS_KEY] = self._gather_stage_optimizers()
-        if self._gathered_steps:
-            checkpointing.record_stage_steps(checkpoint, self._gathered_steps, str(filepath))
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-        self.__dict__.setdefault("_written_checkpoints", set()).add(os.path.abspath(str(filepath)))
-        if self.node is not None:  # where a stage that loses all its peers is restored from
-            checkpointing.announce(self.node, self.run_id, str(filepath), checkpoint.get("global_step"))
-
-    def _restore_from_latest_checkpoint(self, stage: int) -> None:
-        """A stage without live peers in a swarm that saved a checkpoint lost its peers: restore it from the
-        latest checkpoint the swarm announced, if this machine can read that file."""
-        found = checkpointing.find_latest(self.node, self.run_id)
-        if found is None:
-            return  # the swarm never saved a checkpoint: the stage starts from its initialisation
-        path = str(found.get("path"))
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            state, span = checkpoint["state_dict"], self._spans[stage]
-            stage_state = checkpointing.stage_state(state, self._pipeline_name, span, self._stage_module)
-        except Exception as e:
-            log.warning("Stage %d has no live peer and could not be restored from checkpoint %s: %r", stage, path, e)
-            return
-        with self.server.lock:
-            self._stage_module.load_state_dict(stage_state)
-        self._checkpoint_stage_optimizers = checkpoint.get(STAGE_OPTIMIZERS_KEY)
-        self._load_stage_optimizer()
-        log.warning("Stage %d had no live peer: restored from checkpoint %s (step %s)", stage, path, found.get("step"))
-
-    def _gather_stage_optimizers(self) -> dict[int, dict]:
-        """The optimizer state dict of every stage, from this peer or a live peer of the stage (stages whose state
-        cannot be had are left out, with a warning: their optimizers restart on resume)."""
-        states = {}
-        for span in self._spans:
-            try:
-                if self.server is not None and self.served_stage == span.index and self._stage_optimizer is not None:
-                    with self.server.lock:
-                        state = checkpointing.copy_state(self._stage_optimizer.state_dict())
-                else:
-                    raw = self.router.fetch_state(span.index, optimizer=True)["optimizer"]
-                    state = torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=True)
-            except Exception as e:
-                log.warning("Checkpoint without the optimizer state of stage %d: %r", span.index, e)
-                continue
-            states[span.index] = checkpointing.optimizer_state(state)
-        return states
-
-    def _load_stage_optimizer(self) -> None:
-        """Seed the served stage's optimizer from the checkpoint given to ``fit(ckpt_path=...)``, if it has it."""
-        saved = (getattr(self, "_checkpoint_stage_optimizers", None) or {}).get(self.served_stage)
-        if saved is None or self._stage_optimizer is None:
-            return
-        self._stage_optimizer.load_state_dict(checkpointing.optimizer_state(saved))
-        log.warning("Stage %d: optimizer state loaded from the checkpoint", self.served_stage)
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Remove only checkpoints this peer wrote: another peer's ``ModelCheckpoint`` must not delete them."""
-        written = self.__dict__.setdefault("_written_checkpoints", set())
-        if os.path.abspath(str(filepath)) in written:
-            written.discard(os.path.abspath(str(filepath)))
-            super().remove_checkpoint(filepath)
+    def _complete_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Add every stage's current state, and with the optimizers' states each stage optimizer's, gathered from
+        this peer and live peers, to a checkpoint this peer writes (Lightning's state dict holds the local modules)."""
+        if self._pipeline_name is not None:  # else the pipeline was not cut yet: the state dict holds the whole model
+            checkpointing.add_stages(checkpoint, self._pipeline_name, self._spans, self.host)
 
     def claim_checkpoint(self, filepath: str, ttl: float = 60.0) -> bool:
         """Whether this peer writes ``filepath`` (:func:`lightning_swarm.checkpointing.claim`): the others skip it.
@@ -552,30 +301,17 @@ class SwarmStrategy(Strategy):
 
     def fetch_stage_state(self, stage: int) -> dict[str, torch.Tensor]:
         """The current state dict of ``stage`` (stage-local keys), from this peer or a live peer of the stage."""
-        return self.fetch_stage_state_and_step(stage)[0]
-
-    def fetch_stage_state_and_step(self, stage: int) -> tuple[dict[str, torch.Tensor], Optional[int]]:
-        """:meth:`fetch_stage_state`, and the optimizer step that state is at (None if unknown)."""
-        if self.server is not None and self.served_stage == stage:
-            return self.server.state_and_step()
-        return self.router.fetch_state_and_step(stage)
+        return self.host.fetch_state_and_step(stage)[0]
 
     def teardown(self) -> None:
-        if self.server is not None and self.role != "serve" and self._failure is None:
-            self._linger()
-        for thread in (self._rebalancer, self._watcher):
-            if thread is not None:
-                thread.stop()
-        self._rebalancer = self._watcher = None
-        if self.server is not None:
-            self._stop_serving()
-        elif self._announcer is not None:
-            self._announcer.stop(final=self._record(PeerState.LEAVING))
-            self._announcer = None
+        if self.host is not None:
+            if self.host.server is not None and self.role != "serve" and self._failure is None:
+                self.host.linger(self._service)
+            self.host.close()
+            self.host = None
         for opt in self.optimizers:
-            shutdown = getattr(opt, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+            if hasattr(opt, "shutdown"):  # the SwarmOptimizer, once wrapped
+                opt.shutdown()
         self.optimizers = []
         pipeline = getattr(self.lightning_module, self._pipeline_name or "", None)
         if isinstance(pipeline, RemotePipeline):
@@ -583,15 +319,11 @@ class SwarmStrategy(Strategy):
         if self.router is not None:
             self.router.close()
         self.router = None
-        if self._direct is not None:
-            with contextlib.suppress(Exception):
-                self.node.run(self._direct.stop(self.node.p2p), timeout=5)
-            self._direct, self._direct_address = None, ""
         if self.node is not None:
+            self.checkpoint_io.leave()
             self.node.shutdown()
             self.node = None
-        if self._leave_deadline is not None:
-            self._leave_deadline.cancel()  # left the swarm in time: the rest of the script is the user's
+        self._signals.restore()
         super().teardown()
 
     # ---- the steps ------------------------------------------------------------------------------------------------
@@ -607,13 +339,17 @@ class SwarmStrategy(Strategy):
             self._partition(module)
         layout = {"num_stages": self.num_stages, "spans": [[s.start, s.end] for s in self._spans]}
         layout["precision"] = self.precision_plugin.precision  # peers computing in another precision are refused
-        self._layout = layout
-        discovery.check_run_meta(self.node, self.run_id, layout, ttl=max(60.0, 6 * self.update_period))
-        if self._stage_module is not None:
-            if fitting:
-                self._stage_optimizer = self._build_stage_optimizer(trainer)
-                self._load_stage_optimizer()
-            self._start_server()
+        self.host = StageHost(
+            self.node,
+            self.settings,
+            layout,
+            self.root_device,
+            self.events,
+            self._stop_requested,
+            build_stage=partial(self._build_stage, train=True),  # moves happen while fitting
+        )
+        if self._stage is not None:
+            self.host.serve(self._build_stage(self._stage.index, train=fitting), self._checkpoint_stage_optimizers)
 
         self.router = StageRouter(
             self.node,
@@ -627,11 +363,11 @@ class SwarmStrategy(Strategy):
             stop=self._stop_requested,
             direct=self.direct_path,
         )
-        self.router.local_server = self.server
+        self.host.use_router(self.router)
         self.router.on_event = self.events.emit
         remote = RemotePipeline(self.router, self.compression, self.microbatches, loss_scale=self._loss_scale)
         setattr(module, self._pipeline_name, remote)
-        self._watch_swarm(rebalance=fitting and self.server is not None and self.rebalance_period > 0)
+        self.host.watch(rebalance=fitting and self.host.server is not None and self.rebalance_period > 0)
 
     def _partition(self, module: LightningModule) -> None:
         """Balance the stages, keep this peer's stage and drop the other blocks (never allocated on meta)."""
@@ -643,321 +379,45 @@ class SwarmStrategy(Strategy):
         self._pipeline_name = partitioning.find_pipeline(module, self.pipeline)
         self._blueprint = getattr(module, self._pipeline_name)
         self._spans = partitioning.balance_by_parameters(list(self._blueprint), self.num_stages)
-        if self.role != "drive":
-            self.served_stage = self._choose_stage()
+        served = None if self.role == "drive" else self.stage
+        if served is None and self.role != "drive":
+            served = rebalancing.join_stage(
+                self.node, self.run_id, self.num_stages, 2 * self.update_period + LEAVE_GRACE
+            )
         for span in self._spans:
-            if span.index != self.served_stage:
+            if span.index != served:
                 partitioning.stage_module(self._blueprint, span).to("meta")  # keeps their shapes, frees their memory
-        if self.served_stage is not None:
-            self._stage_module = self._materialize_stage(self.served_stage)
+        if served is not None:
+            self._build_stage(served, train=False)
         setattr(module, self._pipeline_name, nn.Identity())  # placeholder until the RemotePipeline takes its place
         _materialize_meta_tensors(module, self.root_device)  # the local modules, if built on the meta device
 
-    def _materialize_stage(self, stage: int) -> nn.Module:
+    def _build_stage(self, stage: int, train: bool) -> Stage:
         """The blocks of ``stage`` on this peer's device, or out of core (freshly initialised if they were on the meta
-        device), in the dtype of the Trainer's precision (``-true``), as Lightning converts the whole model in plain
-        training."""
-        blocks = partitioning.stage_module(self._blueprint, self._spans[stage])
-        convert, precision = self.precision_plugin.convert_module, self.precision_plugin.precision
-        return prepare_stage(blocks, self.root_device, convert, precision, self.out_of_core, self.device_memory_budget)
+        device), in
+        the dtype of the Trainer's precision (``-true``), as Lightning converts the whole model in plain training;
+        if ``train``, with the user's optimizer over them. This peer serves them from now on."""
+        if self._stage is None or self._stage.index != stage:
+            blocks = partitioning.stage_module(self._blueprint, self._spans[stage])
+            convert, precision = self.precision_plugin.convert_module, self.precision_plugin.precision
+            module = prepare_stage(
+                blocks, self.root_device, convert, precision, self.out_of_core, self.device_memory_budget
+            )
+            self._stage = Stage(self._spans[stage], module, None, self._pipeline_name)
+        if train:
+            user = partitioning.stage_optimizer(self.lightning_module, self._pipeline_name, self._stage.module)
+            self._stage.optimizer = self._swarm_optimizer(user, stage, self.delayed_updates)
+        return self._stage
 
     def _loss_scale(self) -> Optional[float]:
         """The current scale of the Trainer's GradScaler (``16-mixed``), sent with gradients to stage servers."""
         scaler = getattr(self.precision_plugin, "scaler", None)
         return None if scaler is None else scaler.get_scale()
 
-    def _choose_stage(self) -> int:
-        """The given stage, else a bottleneck stage: the lowest summed throughput (a stage without peers first)."""
-        if self.stage is not None:
-            return self.stage
-        return rebalancing.join_stage(self.node, self.run_id, self.num_stages, ttl=2 * self.update_period + LEAVE_GRACE)
-
-    def _build_stage_optimizer(self, trainer: Trainer) -> Any:
-        """The user's optimizer (class and per-group hyper-parameters) over this stage's parameters.
-
-        ``configure_optimizers`` runs with the stage in the pipeline's place, so that ``self.parameters()``
-        covers exactly the local modules and this stage.
-        """
-        module, pipeline = self.lightning_module, getattr(self.lightning_module, self._pipeline_name)
-        setattr(module, self._pipeline_name, self._stage_module)
-        try:
-            optimizers, _ = _init_optimizers_and_lr_schedulers(module)
-        finally:
-            setattr(module, self._pipeline_name, pipeline)
-        if len(optimizers) != 1:
-            raise ValueError(f"SwarmStrategy supports one optimizer; configure_optimizers returned {len(optimizers)}")
-        stage_optimizer = restrict_to(optimizers[0], self._stage_module.parameters())
-        return swarm_optimizer(
-            self.node.dht,
-            f"{self.run_id}_stage{self.served_stage}",
-            stage_optimizer,
-            self._resolve_target_batch_size(trainer),
-            self.matchmaking_time,
-            self.averaging_timeout,
-            delayed=self.delayed_updates,
-        )
-
-    def _start_server(self) -> None:
-        stage = self.served_stage
-        optimizer = self._stage_optimizer
-        self.server = StageServer(
-            self.run_id,
-            stage,
-            self._stage_module,
-            self.root_device,
-            on_backward=self._stage_step if optimizer is not None else None,
-            on_idle=optimizer.follow_swarm if optimizer is not None else None,
-            refresh_parameters=optimizer.apply_finished_update if optimizer is not None else None,
-            idle_period=self.matchmaking_time / 4,
-            describe=optimizer.progress if optimizer is not None else None,
-            max_queue=self.max_queue,
-            max_request_bytes=self.max_request_bytes,
-            max_activation_bytes=self.max_activation_bytes,
-            activation_timeout=self.activation_timeout,
-            checkpoint_activations=self.checkpoint_activations,
-            throttle=self.throttle,
-            policy=self.node.policy,
-            optimizer_state=optimizer.state_dict if optimizer is not None else None,
-            precision=self.precision_plugin.precision,
-        )
-        self._joining = True
-        self._start_direct_path()
-        self._announcer = self._make_announcer()
-        self._announcer.start()  # the record stays fresh however long the download below takes
-        if self._stage_optimizer is not None:
-            self._take_stage_state(stage)
-        if self._stop_requested.is_set():
-            return  # told to leave while joining: never announced as serving, so nobody routes here
-        self.node.run(self.server.add_p2p_handlers(self.node.p2p, namespace=self.run_id))
-        self._joining = False
-        self._announcer.announce()
-        log.warning(
-            "Serving stage %d of %d (blocks %d..%d)",
-            stage,
-            self.num_stages,
-            self._spans[stage].start,
-            self._spans[stage].end - 1,
-        )
-
-    def _start_direct_path(self) -> None:
-        """Listen for direct requests (once per peer: it answers for whichever stage this peer serves)."""
-        if not self.direct_path or self._direct is not None:
-            return
-        host = transport.listen_host(self.host_maddrs)
-        self._direct = DirectServer(
-            self.run_id,
-            lambda: None if self._joining else self.server,
-            self.node.policy,
-            host,
-            self.direct_port,
-            self.max_request_bytes,
-        )
-        port = self.node.run(self._direct.start(self.node.p2p))
-        visible = self.node.visible_maddrs() if not self.announce_maddrs else []
-        announced = transport.announced_host(host, self.announce_maddrs, visible)
-        self._direct_address = f"[{announced}]:{port}" if ":" in announced else f"{announced}:{port}"
-        log.info("Direct tensor path on %s:%d, announced as %s", host, port, self._direct_address)
-
-    def _take_stage_state(self, stage: int) -> None:
-        """Before serving, download the stage's state from a peer serving it: this peer's blocks are freshly
-        initialised, and must not answer requests for a stage the others have trained. A failed download is
-        retried while the stage has serving peers (for at most join_timeout); a stage without any is restored from
-        the swarm's latest checkpoint, if there is one."""
-        deadline = time.monotonic() + self.join_timeout
-        while True:
-            records = discovery.fetch_stage(self.node, self.run_id, stage).values()
-            live = [record for record in records if record.state == PeerState.SERVING]
-            if not live:
-                self._restore_from_latest_checkpoint(stage)
-                return
-            log.warning("Stage %d is served by %d peer(s): downloading its current state", stage, len(live))
-            with self.server.lock:
-                at_swarm_epoch = self._stage_optimizer.load_state_from_peers()
-            if self._stage_optimizer.downloaded:
-                if not at_swarm_epoch:
-                    log.warning("Stage %d: the state downloaded is behind the swarm's; serving will catch up", stage)
-                return
-            if self._stop_requested.is_set():
-                return  # leaving: the caller does not serve
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"Stage {stage} of run {self.run_id!r}: could not download its state from the {len(live)} peer(s) "
-                    f"serving it within join_timeout={self.join_timeout:g}s; refusing to serve untrained blocks"
-                )
-            time.sleep(1.0)
-
-    def _stage_step(self, batch_size: int) -> None:
-        """Runs on the stage worker after each backward: accumulate, and step once the stage reached its target."""
-        epoch = self._stage_optimizer.local_epoch
-        self._stage_optimizer.step(batch_size=batch_size)
-        self._stage_optimizer.zero_grad()
-        if self._stage_optimizer.local_epoch > epoch:
-            self.events.emit(StageStep(self.served_stage, self._stage_optimizer.local_epoch))
-
-    def _stop_serving(self, grace: float = LEAVE_GRACE) -> None:
-        """Leave the served stage gracefully: announce it, give routers time to notice while the requests already
-        sent are answered (at most ``grace`` seconds), then stop the server and the stage optimizer."""
-        if self._announcer is not None:
-            self._announcer.stop(final=self._record(PeerState.LEAVING))
-            self._announcer = None
-        noticed = time.monotonic() + min(2.0, self.update_period) + 0.5  # routers re-read records this often
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and (time.monotonic() < noticed or self.server.busy()):
-            time.sleep(0.1)
-        with contextlib.suppress(Exception):
-            self.node.run(self.server.remove_p2p_handlers(self.node.p2p, namespace=self.run_id), timeout=5)
-        self.server.shutdown()
-        self.server = None
-        if self.router is not None:
-            self.router.local_server = None
-        if self._stage_optimizer is not None:
-            self._stage_optimizer.shutdown()
-            self._stage_optimizer = None
-
-    def _watch_swarm(self, rebalance: bool) -> None:
-        """Follow the swarm's records (for events and metrics) and, if asked, rebalance this peer."""
-        self._watcher = discovery.SwarmWatcher(
-            self.node, self.run_id, self.num_stages, self.update_period, self._on_swarm_change
-        )
-        self._watcher.start()
-        if rebalance:
-            self._rebalancer = Rebalancer(
-                str(self.node.peer_id), self.rebalance_period, lambda: self._watcher.latest, self._request_move
-            )
-            self._rebalancer.start()
-
-    def _on_swarm_change(self, kind: str, peer: str, before: Optional[PeerRecord], after: Optional[PeerRecord]) -> None:
-        if kind == "joined":
-            self.events.emit(PeerJoined(peer, after.stage))
-        elif kind == "left":
-            self.events.emit(PeerLeft(peer, before.stage, "announced" if after is not None else "record expired"))
-        elif peer != str(self.node.peer_id) and before.stage is not None and after.stage is not None:
-            self.rebalances += 1  # this peer's own moves are counted (with their reason) where they happen
-            self.events.emit(StageChanged(peer, before.stage, after.stage, "seen in the swarm's records"))
-
-    def _request_move(self, move: Move, plan: Plan) -> None:
-        with self._move_lock:
-            self._pending_move = (move, plan)
-
-    def _service(self) -> None:
-        """On the training (or serving) thread, between steps: carry out a planned move, then hand the queued
-        swarm events to the callbacks."""
-        self._carry_out_move()
-        dispatch(self.lightning_module.trainer, self.events.drain())
-
-    def _carry_out_move(self) -> None:
-        with self._move_lock:
-            pending, self._pending_move = self._pending_move, None
-        if pending is not None and not self._stop_requested.is_set():
-            self._move(*pending)
-
-    def _move(self, move: Move, plan: Plan) -> None:
-        """Serve ``move.to_stage`` instead: leave the current stage gracefully, take the new stage's blocks, and
-        download its parameters, optimizer state and step from a live peer of it before serving."""
-        if self.served_stage != move.from_stage or self.server is None:
-            return
-        try:  # fresh records: never leave a stage without a peer, nor follow a peer that just left it
-            swarm = discovery.fetch_swarm(self.node, self.run_id, self.num_stages)
-        except Exception as e:
-            log.warning("Not moving to stage %d: could not read the swarm's records (%r)", move.to_stage, e)
-            return
-        records = swarm[move.from_stage].values()
-        if not any(r.state == PeerState.SERVING and r.peer_id != str(self.node.peer_id) for r in records):
-            log.warning("Not moving to stage %d: no other peer serves stage %d now", move.to_stage, move.from_stage)
-            return
-        if not self._rebalancer.confirms(move, plan, swarm):
-            log.warning("Not moving to stage %d: the swarm changed since the plan", move.to_stage)
-            return
-        self._rebalancer.paused.set()
-        try:
-            # a move, not a departure: the record lasts until the new stage's server announces it
-            self._announcer.announce(
-                self._record(PeerState.JOINING, stage=move.to_stage), ttl=2 * self.update_period + LEAVE_GRACE
-            )
-            self._stop_serving()
-            self._stage_module.to("meta")
-            self.served_stage = move.to_stage
-            self._stage_module = self._materialize_stage(move.to_stage)
-            self._stage_optimizer = self._build_stage_optimizer(self.lightning_module.trainer)
-            self._start_server()
-            self.router.local_server = self.server
-        finally:
-            self._rebalancer.moved()
-            self._rebalancer.paused.clear()
-        self.rebalances += 1
-        reason = f"stage {move.to_stage} is the bottleneck ({plan.current:.1f} samples/s swarm throughput)"
-        self.events.emit(StageChanged(str(self.node.peer_id), move.from_stage, move.to_stage, reason, plan.gain))
-
-    def swarm_metrics(self) -> dict[str, float]:
-        """The swarm as this peer sees it, for :class:`~lightning_swarm.callbacks.SwarmMonitor`."""
-        view = self._watcher.latest if self._watcher is not None and self._watcher.latest is not None else []
-        serving = [[r for r in stage.values() if r.state == PeerState.SERVING] for stage in view]
-        peers = {r.peer_id for stage in serving for r in stage} | set(self._watcher.drivers if self._watcher else ())
-        optimizer = self._stage_optimizer or (self.optimizers[0] if self.optimizers else None)
-        stats = self.router.stats if self.router is not None else None
-        metrics = {
-            "stage": float(-1 if self.served_stage is None else self.served_stage),
-            "peers": float(len(peers)),
-            "step": float(getattr(optimizer, "local_epoch", 0)),
-            "queue": float(self.server.info()["queued_samples"] if self.server is not None else 0),
-            "bytes_sent": float(stats.bytes_sent if stats else 0),
-            "bytes_received": float(stats.bytes_received if stats else 0),
-            "compression_ratio": float(stats.raw_bytes_sent / stats.bytes_sent if stats and stats.bytes_sent else 1),
-            "failovers": float(stats.failovers if stats else 0),
-            "rebalances": float(self.rebalances),
-        }
-        for k, stage in enumerate(serving):
-            metrics[f"stage{k}_throughput"] = float(sum(r.throughput for r in stage))
-            metrics[f"stage{k}_peers"] = float(len(stage))
-        return metrics
-
-    def _make_announcer(self) -> Announcer:
-        return Announcer(
-            self.node,
-            self.run_id,
-            lambda: self._record(PeerState.JOINING if self._joining else PeerState.SERVING),
-            self.update_period,
-            self._layout,
-        )
-
-    def _record(self, state: PeerState, stage: Optional[int] = None) -> PeerRecord:
-        info = self.server.info() if self.server is not None and stage is None else {}
-        return PeerRecord(
-            str(self.node.peer_id),
-            self.served_stage if stage is None else stage,
-            state,
-            info.get("throughput", 0.0),
-            info.get("queued_samples", 0),
-            self._training,
-            self._direct_address if self.server is not None else "",
-        )
-
-    def _wrap_local_optimizer(self, trainer: Trainer) -> None:
-        if not self.optimizers:
-            return
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"SwarmStrategy supports one optimizer; configure_optimizers returned {len(self.optimizers)}"
-            )
-        local = swarm_optimizer(
-            self.node.dht,
-            f"{self.run_id}_local",
-            self.optimizers[0],
-            self._resolve_target_batch_size(trainer),
-            self.matchmaking_time,
-            self.averaging_timeout,
-        )
-        local.load_state_from_peers()
-        self.optimizers = [local]
-
-    def setup_optimizers(self, trainer: Trainer) -> None:
-        has_local_params = any(p.requires_grad for p in self.lightning_module.parameters())
-        if self.role == "serve" or not has_local_params:
-            self.optimizers, self.lr_scheduler_configs = [], []
-            return
-        super().setup_optimizers(trainer)
-
-    def _resolve_target_batch_size(self, trainer: Trainer) -> int:
+    def _swarm_optimizer(self, optimizer: Optimizer, stage: Optional[int], delayed: bool = False) -> SwarmOptimizer:
+        """``optimizer`` stepping once the swarm's peers sharing it (``stage``'s, None: the trainers) processed the
+        target batch."""
+        trainer = self.lightning_module.trainer
         if self.target_batch_size is None:
             batch_size = train_batch_size(trainer)
             if batch_size is None:
@@ -966,27 +426,39 @@ class SwarmStrategy(Strategy):
                     "after which the swarm takes an optimizer step (this peer's datamodule and train DataLoader "
                     "have no batch_size to start from)"
                 )
-            self.target_batch_size = batch_size
-        return self.target_batch_size
+            self.settings = dataclasses.replace(self.settings, target_batch_size=batch_size)
+        return swarm_optimizer(
+            self.node.dht,
+            discovery.optimizer_prefix(self.run_id, stage),
+            optimizer,
+            self.target_batch_size,
+            self.matchmaking_time,
+            self.averaging_timeout,
+            delayed=delayed,
+        )
 
-    def _wait_for_stages(self) -> None:
-        """Block until every stage has a serving peer, logging which ones are missing."""
-        deadline, due = time.monotonic() + self.join_timeout, RateLimit(WAIT_LOG_PERIOD)
-        while True:
-            missing = [k for k in range(self.num_stages) if self.router.choose(k, 1) is None]
-            if not missing:
-                return
-            if time.monotonic() > deadline:
-                raise StageUnavailableError(
-                    f"Stages {missing} of run {self.run_id!r} have no live peer after {self.join_timeout:.0f}s: "
-                    f"start peers that serve them (or check initial_peers)"
-                )
-            if due():
-                log.warning("Waiting for peers to serve stage(s) %s", missing)
-            for k in missing:
-                self.router.refresh(k, force=True)
-            self._carry_out_move()  # e.g. from a stage two newcomers took together to one nobody serves
-            time.sleep(1.0)
+    def _service(self) -> None:
+        """On the training (or serving) thread, between steps: carry out a planned move, then hand the queued
+        swarm events to the callbacks."""
+        if self.host is not None:
+            self.host.carry_out_move()
+        dispatch(self.lightning_module.trainer, self.events.drain())
+
+    def swarm_metrics(self) -> dict[str, float]:
+        """The swarm as this peer sees it, for :class:`~lightning_swarm.callbacks.SwarmMonitor`."""
+        return self.host.metrics(self.optimizers[0] if self.optimizers else None) if self.host is not None else {}
+
+    def _wrap_local_optimizer(self) -> None:
+        if self.optimizers:
+            self.optimizers = [self._swarm_optimizer(partitioning.single_optimizer(self.optimizers), None)]
+            self.optimizers[0].load_state_from_peers()
+
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        has_local_params = any(p.requires_grad for p in self.lightning_module.parameters())
+        if self.role == "serve" or not has_local_params:
+            self.optimizers, self.lr_scheduler_configs = [], []
+            return
+        super().setup_optimizers(trainer)
 
     def _serve_until_stopped(self, trainer: Trainer) -> None:
         log.warning("Serving until this process receives SIGTERM or SIGINT")
@@ -994,88 +466,5 @@ class SwarmStrategy(Strategy):
             self._service()
         trainer.should_stop = True
 
-    def _linger(self) -> None:
-        """Keep serving while other peers are still training, so that finishing first does not strand them."""
-        deadline, due = time.monotonic() + self.linger, RateLimit(60.0)
-        while time.monotonic() < deadline and not self._stop_requested.is_set():
-            try:
-                others = discovery.training_peers(self.node, self.run_id, self.num_stages) - {str(self.node.peer_id)}
-            except Exception as e:
-                log.warning("Could not read the swarm while lingering: %r", e)
-                others = {"unknown"}
-            if not others:
-                return
-            if due():
-                log.warning(
-                    "Training done: serving on while %d other peer(s) train (for %.0fs more at most: linger)",
-                    len(others),
-                    deadline - time.monotonic(),
-                )
-            self._service()
-            time.sleep(self.update_period / 2)
 
-    def _leave_now(self) -> None:
-        """The graceful exit took longer than ``leave_timeout``: stop every helper process and exit."""
-        log.error("Could not leave the swarm within %gs of the signal: exiting now", self.leave_timeout)
-        for child in multiprocessing.active_children():  # the DHT and averager processes
-            child.kill()
-        if self.node is not None:
-            kill_daemon(self.node.daemon_pid)
-        os._exit(1)
-
-    def _install_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        main_pid = os.getpid()
-
-        def request_stop(signum: int, frame: Any) -> None:
-            if os.getpid() != main_pid:  # a forked helper (DHT, averager) inherited this handler: die as usual
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-                return
-            if self._stop_requested.is_set():
-                raise KeyboardInterrupt  # a second signal: stop now
-            log.warning(
-                "Received signal %d: finishing the current step, then leaving the swarm (within %gs)",
-                signum,
-                self.leave_timeout,
-            )
-            self._stop_requested.set()
-            self._leave_deadline = threading.Timer(self.leave_timeout, self._leave_now)
-            self._leave_deadline.daemon = True
-            self._leave_deadline.start()
-
-        signal.signal(signal.SIGTERM, request_stop)
-        signal.signal(signal.SIGINT, request_stop)
-
-
-def _as_list(value: Union[str, list[str]]) -> list[str]:
-    if isinstance(value, str):
-        return [item.strip() for item in value.replace(" ", ",").split(",") if item.strip()]
-    return list(value)
-
-
-def _bytes_or_auto(value: Union[int, str]) -> Optional[int]:
-    """A byte count, or None for ``"auto"`` (the component picks it)."""
-    return None if str(value).strip().lower() == "auto" else int(value)
-
-
-def _flag(value: Union[bool, str]) -> bool:
-    if isinstance(value, bool):
-        return value
-    word = str(value).strip().lower()
-    if word in ("1", "true", "yes", "on"):
-        return True
-    if word in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected a boolean (true/false, 1/0, yes/no, on/off), got {value!r}")
-
-
-def _setting(name: str, value: Any, cast: Callable[[Any], T], default: Any) -> Any:
-    """An argument's value: the one given, else the environment variable SWARM_<NAME>, else the default."""
-    if value is not None:
-        return cast(value)
-    env = os.environ.get(ENV_PREFIX + name.upper())
-    if env is not None and env != "":
-        return cast(env)
-    return default
+SwarmStrategy.__doc__ += "\n" + settings.args_section()  # the settings' docstrings, for LightningCLI's help

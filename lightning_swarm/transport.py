@@ -45,7 +45,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from lightning_swarm import protocol, security
 from lightning_swarm.compression import WireTensor
-from lightning_swarm.errors import WIRE_ERRORS, NotServingError, PeerNotAllowedError, SwarmRequestError
+from lightning_swarm.errors import NotServingError, PeerNotAllowedError, SwarmRequestError
 from lightning_swarm.security import AccessPolicy
 
 log = logging.getLogger(__name__)
@@ -335,8 +335,7 @@ class DirectClient:
         reply = MSGPackSerializer.loads(frames[0].bytes)
         if "error" in reply:
             kind, message = reply["error"]
-            raise WIRE_ERRORS.get(kind, DirectPathError)(f"{kind}: {message}")
-
+            raise protocol.error_from_wire(f"{kind}: {message}") or DirectPathError(f"{kind}: {message}")
         return received(reply["tensors"], frames[1:])
 
     async def _connection(self, peer: str, address: str) -> _Connection:

@@ -71,3 +71,27 @@ def swarm(tmp_path, request):
         for peer in local_swarm.peers.values():
             if peer.process.returncode not in (None, 0, -9):
                 print(f"---- {peer.name} exited {peer.process.returncode}:\n{peer.log()[-4000:]}")
+
+
+class StageOptimizerStub:
+    """What a stage server asks of its optimizer, doing nothing: tests override the parts they watch."""
+
+    local_epoch = 0
+
+    def step(self, batch_size: int) -> None:
+        pass
+
+    def zero_grad(self) -> None:
+        pass
+
+    def follow_swarm(self) -> None:
+        pass
+
+    def apply_finished_update(self, wait: bool = False) -> None:
+        pass
+
+    def progress(self) -> dict:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}

@@ -21,7 +21,8 @@ from hivemind.utils.streaming import split_for_streaming
 
 from lightning_swarm import compression, protocol
 from lightning_swarm.node import SwarmNode
-from lightning_swarm.server.stage_server import StageServer, stage_uid
+from lightning_swarm.protocol import stage_uid
+from lightning_swarm.server.stage_server import StageServer
 
 TIMEOUT = 20.0
 NONE_META = {"codec": "none", "train": True}

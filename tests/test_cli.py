@@ -18,7 +18,7 @@ import pytest
 import yaml
 from conftest import PEER_ENV, ROOT, SMALL_GPT
 
-from lightning_swarm import SwarmStrategy, cli
+from lightning_swarm import SwarmStrategy, cli, settings
 from lightning_swarm.launch import LocalSwarm
 
 LOCAL_YAML = ROOT / "examples" / "swarm_local.yaml"
@@ -446,7 +446,7 @@ def test_plot_what_is_present(tmp_path, capsys):
 
 def test_arguments_are_listed_and_documented(capsys):
     parsed = {p.arg_name: " ".join(p.description.split()) for p in docstring_parser.parse(SwarmStrategy.__doc__).params}
-    assert cli.docstring_args(SwarmStrategy.__doc__) == parsed  # the command's own parser reads what jsonargparse reads
+    assert settings.descriptions() == parsed  # the command reads what jsonargparse reads
     arguments = {a["name"]: a for a in cli.strategy_arguments()}
     assert arguments.keys() == set(inspect.signature(SwarmStrategy.__init__).parameters) - {"self"}
     assert arguments["num_stages"]["env"] == "SWARM_NUM_STAGES" and arguments["num_stages"]["default"] == "2"
@@ -471,7 +471,7 @@ def test_demo_runs_the_checkout_demo(capfd):
 
 
 def test_demo_outside_a_checkout(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(cli, "demo_candidates", lambda: [tmp_path / "examples" / "demo.py"])
+    monkeypatch.setattr(cli.demo, "demo_candidates", lambda: [tmp_path / "examples" / "demo.py"])
     assert cli.main(["demo"]) == cli.EXIT_ERROR
     err = capsys.readouterr().err
     assert "checkout" in err and err.count("\n") == 1

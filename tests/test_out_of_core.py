@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import SMALL_GPT
+from conftest import SMALL_GPT, StageOptimizerStub
 from gpt import Block
 from test_kept_activations import ask
 from test_swarm import FAST, history, plain_training
@@ -45,11 +45,14 @@ def server(module: nn.Module, steps: list[torch.optim.Optimizer], **kwargs) -> S
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1)
     steps.append(optimizer)
 
-    def step(batch: int) -> None:
-        optimizer.step()
-        optimizer.zero_grad()
+    class Stepping(StageOptimizerStub):
+        def step(self, batch_size: int) -> None:
+            optimizer.step()
 
-    return StageServer("run", 0, module, CPU, on_backward=step, max_activation_bytes=2**30, **kwargs)
+        def zero_grad(self) -> None:
+            optimizer.zero_grad()
+
+    return StageServer("run", 0, module, CPU, optimizer=Stepping(), max_activation_bytes=2**30, **kwargs)
 
 
 @pytest.mark.parametrize("resident", [0, 2])

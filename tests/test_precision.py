@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from conftest import StageOptimizerStub
 from hivemind.proto import runtime_pb2
 from torch import nn
 
@@ -58,6 +59,13 @@ def local(module: nn.Module, x: torch.Tensor, g: torch.Tensor, dtype) -> tuple[t
     with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None, cache_enabled=False):
         y = module(x)
     return y.detach(), list(torch.autograd.grad(y, [x, *module.parameters()], g.to(y.dtype)))
+
+
+class Accumulated(StageOptimizerStub, list):
+    """A stage optimizer that records the microbatch sizes handed to it and leaves ``.grad`` as backward set it."""
+
+    def step(self, batch_size: int) -> None:
+        self.append(batch_size)
 
 
 @pytest.fixture
@@ -145,8 +153,8 @@ def test_16_mixed_unscales_the_trainers_loss_scale_as_grad_scaler_does(make_serv
     """The trainer's GradScaler scales the loss by S: a stage sent gradients scaled by S, with S, holds the
     parameter gradients GradScaler.unscale_ gives in plain 16-mixed training (bit for bit), close to the unscaled
     gradients, and returns the input's gradient still scaled (the trainer unscales its own)."""
-    accumulated = []
-    server = make_server(blocks(), "16-mixed", on_backward=accumulated.append)
+    accumulated = Accumulated()
+    server = make_server(blocks(), "16-mixed", optimizer=accumulated)
     x, g = torch.randn(4, 8, D), torch.randn(4, 8, D)
     scaler = torch.amp.GradScaler("cpu", init_scale=LOSS_SCALE)
     _, plain = local(blocks(), x, scaler.scale(g), torch.float16)  # as the scaled loss's backward gives it
@@ -158,6 +166,9 @@ def test_16_mixed_unscales_the_trainers_loss_scale_as_grad_scaler_does(make_serv
     ask(server, "forward", [x], keep="k")
     loss_scale = scaler.get_scale()  # what the strategy sends
     grads = served(server, ask(server, "backward", [scaler.scale(g)], kept="k", loss_scale=loss_scale))
+    deadline = time.monotonic() + 10  # the worker hands the gradients over just after answering
+    while not accumulated and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert torch.equal(grads[0], plain[0])
     for got, p in zip(grads[1:], reference.parameters()):
         assert torch.equal(got, p.grad)
@@ -174,8 +185,8 @@ def test_16_mixed_overflow_skips_the_microbatch_and_leaves_the_stage_untouched(m
     """A gradient that overflowed (an Inf from a later stage, or a scale too large for this stage's fp16 backward)
     is answered, not refused: nothing is accumulated, .grad keeps what it held, and the input's gradient comes back
     NaN so that earlier stages and the trainer's GradScaler skip the step too. The next microbatch is accumulated."""
-    accumulated = []
-    server = make_server(blocks(), "16-mixed", on_backward=accumulated.append)
+    accumulated = Accumulated()
+    server = make_server(blocks(), "16-mixed", optimizer=accumulated)
     x, g = torch.randn(4, 8, D), torch.randn(4, 8, D)
     ask(server, "backward", [x, g * LOSS_SCALE], loss_scale=LOSS_SCALE)
     before = [p.grad.clone() for p in server.params]
@@ -242,10 +253,8 @@ def test_16_mixed_trainer_and_stages_follow_plain_16_mixed_training(make_server,
     full = blocks()
     local_in = nn.Linear(D, D)
     plain = nn.Sequential(copy.deepcopy(local_in), copy.deepcopy(full))
-    accumulated = []
-    servers = [
-        make_server(copy.deepcopy(full[k : k + 1]), "16-mixed", on_backward=accumulated.append) for k in range(2)
-    ]
+    accumulated = Accumulated()
+    servers = [make_server(copy.deepcopy(full[k : k + 1]), "16-mixed", optimizer=accumulated) for k in range(2)]
     pipeline = RemotePipeline(InProcessRouter(servers), codec="none", microbatches=1)
     x = torch.randn(4, 8, D)
 

@@ -22,7 +22,7 @@ from lightning_swarm import compression, protocol
 from lightning_swarm.client.remote_pipeline import RemotePipeline
 from lightning_swarm.client.routing import PeerLoad, StageRouter
 from lightning_swarm.discovery import PeerRecord, PeerState
-from lightning_swarm.errors import WIRE_ERRORS, NotServingError, StageUnavailableError, SwarmRequestError
+from lightning_swarm.errors import NotServingError, StageUnavailableError, SwarmRequestError
 from lightning_swarm.server.stage_server import StageServer, stage_uid
 from lightning_swarm.transport import DirectPathError, DirectRequest
 
@@ -180,7 +180,8 @@ class InProcessRouter(StageRouter):
         try:
             return await self.servers[peer].answer_tensors(method, request, "trainer")
         except Exception as e:
-            raise WIRE_ERRORS.get(type(e).__name__, DirectPathError)(f"{type(e).__name__}: {e}") from None
+            text = f"{type(e).__name__}: {e}"
+            raise protocol.error_from_wire(text) or DirectPathError(text) from None
 
     def banned(self, peer: str) -> bool:
         return self._peers[0][peer].banned_until > time.monotonic()

@@ -29,9 +29,10 @@ from lightning_swarm import compression, protocol
 from lightning_swarm.client.routing import _remote_error
 from lightning_swarm.errors import NotServingError, PeerNotAllowedError, SwarmRequestError
 from lightning_swarm.node import SwarmNode
+from lightning_swarm.protocol import stage_uid
 from lightning_swarm.security import AUTH_FIELD, AccessPolicy, create_identity
 from lightning_swarm.server.fair_queue import FairQueue
-from lightning_swarm.server.stage_server import StageServer, stage_uid
+from lightning_swarm.server.stage_server import StageServer
 
 D_MODEL, BLOCK = 32, 32  # from SMALL_GPT
 CPU = torch.device("cpu")

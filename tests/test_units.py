@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -23,8 +24,10 @@ from lightning_swarm.client.microbatch_tuning import MIN_GAIN, MicrobatchTuner, 
 from lightning_swarm.client.remote_pipeline import RemotePipeline
 from lightning_swarm.client.routing import PeerLoad, RouterStats, StageRouter
 from lightning_swarm.discovery import PeerRecord, PeerState
+from lightning_swarm.errors import StageBusyError, SwarmRequestError
 from lightning_swarm.launch import Peer
 from lightning_swarm.optimizer import train_batch_size
+from lightning_swarm.settings import SwarmSettings
 from lightning_swarm.strategy import SwarmStrategy
 
 
@@ -510,3 +513,26 @@ def test_target_batch_size_defaults_to_the_train_dataloaders_batch_size(given):
         )
         trainer.fit(module, datamodule=datamodule)
     assert seen.seen == {"module": 3, "fit": 5, "datamodule": 6}[given]
+
+
+def test_settings_are_frozen_keyword_only_and_read_the_environment(monkeypatch):
+    monkeypatch.setenv("SWARM_NUM_STAGES", "3")
+    monkeypatch.setenv("SWARM_INITIAL_PEERS", "/ip4/127.0.0.1/tcp/1/p2p/A,/ip4/127.0.0.1/tcp/2/p2p/B")
+    settings = SwarmSettings.from_env(num_stages=None, linger="7")
+    assert settings.num_stages == 3 and settings.linger == 7.0 and len(settings.initial_peers) == 2
+    assert SwarmSettings.from_env(num_stages=4).num_stages == 4  # a value given wins over the environment
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.num_stages = 5
+    with pytest.raises(TypeError):
+        SwarmSettings(2)  # keyword-only
+    with pytest.raises(TypeError, match="nmu_stages"):
+        SwarmSettings.from_env(nmu_stages=2)
+
+
+def test_a_server_error_survives_the_wire_by_its_class_name():
+    sent = protocol.error_for_wire(StageBusyError("stage 1 is busy"))
+    received = protocol.error_from_wire(f"handler failed: {sent}")
+    assert type(received) is StageBusyError and "stage 1 is busy" in str(received)
+    nested = protocol.error_from_wire("SwarmRequestError('stage 0 failed: StageBusyError()')")
+    assert type(nested) is SwarmRequestError  # the class named first is the one raised
+    assert protocol.error_from_wire("ValueError('no swarm error')") is None

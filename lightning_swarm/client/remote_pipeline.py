@@ -162,7 +162,7 @@ class RemotePipeline(nn.Module):
             except Exception as e:
                 log.warning("Stage %d: backward on %s failed (%r): recomputing on another peer", stage, peer, e)
                 peer, failed = None, e
-            self.router.stats.recomputed += 1
+            self.router.stats.add(recomputed=1)
         grad, retried_on = self._call(stage, "backward", [inputs, grad], check, prefer=peer, **scaled)
         if failed is not None:
             self.router.failed_over(stage, "backward", route.peers[stage], retried_on, failed)
@@ -180,7 +180,7 @@ class RemotePipeline(nn.Module):
     ) -> tuple[runtime_pb2.Tensor, str]:
         """Call ``method`` of ``stage`` (only on ``prefer`` without failover); the reply as it came, once ``check``
         passed it."""
-        self.router.stats.raw_bytes_sent += sum(compression.raw_nbytes(m) for m in messages)
+        self.router.stats.add(raw_bytes_sent=sum(compression.raw_nbytes(m) for m in messages))
         metadata = {"codec": self.codec, "train": self.training, **metadata}
         batch = int(messages[0].size[0]) if messages[0].size else 1
         if failover:

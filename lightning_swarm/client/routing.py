@@ -43,11 +43,11 @@ from lightning_swarm.errors import (
     BadReplyError,
     StageBusyError,
     StageUnavailableError,
-    from_wire,
 )
 from lightning_swarm.logs import RateLimit
 from lightning_swarm.node import SwarmNode
-from lightning_swarm.server.stage_server import StageServer, stage_uid
+from lightning_swarm.protocol import stage_uid
+from lightning_swarm.server.stage_server import StageServer
 from lightning_swarm.transport import CONNECT_TIMEOUT, DirectClient, DirectRequest, DirectUnreachable
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,12 @@ class RouterStats:
     chosen: dict = field(default_factory=dict)  # peer id -> number of calls sent there
     failed: dict = field(default_factory=dict)  # peer id -> number of those calls that failed
 
+    def add(self, **counts: int) -> None:
+        """Add to these counters what the router's callers see (backward passes recomputed, bytes sent before
+        compression), rather than writing the fields."""
+        for name, value in counts.items():
+            setattr(self, name, getattr(self, name) + value)
+
 
 class StageRouter:
     """Routes calls to stages of one run, with retries on other peers and temporary bans."""
@@ -144,7 +150,7 @@ class StageRouter:
         self._wait_logged = RateLimit(WAIT_LOG_PERIOD)  # "no live peer" lines, per stage
         self.request_timeout, self.max_retries, self.ban_timeout = request_timeout, max_retries, ban_timeout
         self.refresh_period = refresh_period
-        self.stats = RouterStats()
+        self.stats = RouterStats()  # read by anyone; counted by this router and, through add(), its pipeline
         self.on_event: Optional[Callable[[events.SwarmEvent], None]] = None  # receives Failover events
         self.local_server: Optional[StageServer] = None  # this peer's own stage server, called without the network
         self._peers: list[dict[str, PeerLoad]] = [{} for _ in range(num_stages)]
@@ -450,5 +456,5 @@ class StageRouter:
 
 
 def _remote_error(error: P2PHandlerError) -> Exception:
-    """Turn a remote handler's error back into the kind the server raised (the error itself if it names none)."""
-    return from_wire(str(error)) or error
+    """Turn a remote handler's error back into the kind the server raised."""
+    return protocol.error_from_wire(str(error)) or error

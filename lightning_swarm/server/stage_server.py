@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import AsyncIterator, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Optional, Protocol, Sequence
 
 import torch
 from hivemind.p2p import P2PContext, ServicerBase
@@ -42,14 +42,15 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_swarm import compression, protocol, security
 from lightning_swarm.errors import (
-    WIRE_ERRORS,
     ActivationsLostError,
     NotServingError,
     StageBusyError,
     StageFailedError,
     SwarmRequestError,
 )
+from lightning_swarm.events import EventQueue, StageStep
 from lightning_swarm.precision import activation_dtypes, autocast, parameter_dtype, unscale_
+from lightning_swarm.protocol import stage_uid
 from lightning_swarm.security import AccessPolicy
 from lightning_swarm.server import device_memory
 from lightning_swarm.server.fair_queue import FairQueue
@@ -59,8 +60,22 @@ from lightning_swarm.server.out_of_core import OutOfCoreStage, spare_bytes
 log = logging.getLogger(__name__)
 
 
-def stage_uid(run_id: str, stage: int) -> str:
-    return f"{run_id}.stage{stage}"
+class StageOptimizer(Protocol):
+    """What a stage server asks of its optimizer (:class:`~lightning_swarm.optimizer.SwarmOptimizer` has it)."""
+
+    local_epoch: int
+
+    def step(self, batch_size: int) -> Any: ...
+
+    def zero_grad(self) -> None: ...
+
+    def follow_swarm(self) -> None: ...
+
+    def apply_finished_update(self, wait: bool = False) -> None: ...
+
+    def progress(self) -> dict: ...
+
+    def state_dict(self) -> dict: ...
 
 
 def _out_of_memory(error: BaseException) -> bool:
@@ -77,14 +92,14 @@ class StageServer(ServicerBase):
     Args:
         module: the stage's blocks, already on ``device``, or an
             :class:`~lightning_swarm.server.out_of_core.OutOfCoreStage` that brings them there block by block.
-        on_backward: called on the worker thread after each successful backward (once answered) with its size,
-            once the parameters' ``.grad`` hold that microbatch's gradients (the stage optimizer's hook).
-        on_idle: called on the worker thread whenever no request came for ``idle_period`` seconds, so that a
-            peer the routers leave idle still follows the stage's optimizer steps.
-        refresh_parameters: puts the result of a background (delayed) optimizer step into the parameters. Called
-            with ``wait=False`` on the worker before each forward, so that only forwards run during a step see the
-            old parameters; with ``wait=True`` (a step still running finishes first) before the state is read.
-        describe: more entries for ``info()`` (e.g. the stage optimizer's progress).
+        optimizer: the stage's optimizer (None: serve without training), held and stepped by the server as
+            hivemind's ``ModuleBackend`` does: after each successful backward (once answered) it steps with the
+            microbatch's size and zeroes the gradients; whenever no request came for ``idle_period`` seconds it
+            follows the swarm (a peer the routers leave idle still follows the stage's steps); before each forward
+            it applies a finished background (delayed) step, so that only forwards run during a step see the old
+            parameters, and before the state is read it waits for one; ``info()`` and ``rpc_state`` report its
+            progress and state.
+        events: where the server reports the optimizer's steps (:class:`~lightning_swarm.events.StageStep`).
         max_queue: requests waiting for the worker; further requests are answered "busy". Shared fairly between
             callers: under contention each keeps an equal share of the places and of the worker's samples.
         max_request_bytes: requests with more tensor bytes are refused before they are decoded.
@@ -113,11 +128,9 @@ class StageServer(ServicerBase):
         stage: int,
         module: nn.Module,
         device: torch.device,
-        on_backward: Optional[Callable[[int], None]] = None,
-        on_idle: Optional[Callable[[], None]] = None,
-        refresh_parameters: Optional[Callable[[bool], None]] = None,
+        optimizer: Optional[StageOptimizer] = None,
+        events: Optional[EventQueue] = None,
         idle_period: float = 1.0,
-        describe: Optional[Callable[[], dict]] = None,
         max_queue: int = 64,
         max_request_bytes: int = 256 * 2**20,
         max_request_samples: int = 4096,
@@ -127,7 +140,6 @@ class StageServer(ServicerBase):
         checkpoint_activations: bool = False,
         throttle: float = 1.0,
         policy: Optional[AccessPolicy] = None,
-        optimizer_state: Optional[Callable[[], dict]] = None,
         precision: str = "32-true",
     ) -> None:
         if throttle < 1:
@@ -142,9 +154,8 @@ class StageServer(ServicerBase):
                 f"{sorted(map(str, wrong))}: convert the module first (the precision plugin's convert_module)"
             )
         self.run_id, self.stage, self.uid = run_id, stage, stage_uid(run_id, stage)
-        self.module, self.device, self.on_backward = module, device, on_backward
-        self.on_idle, self.idle_period, self.describe = on_idle, idle_period, describe
-        self.refresh_parameters = refresh_parameters
+        self.module, self.device, self.optimizer, self.events = module, device, optimizer, events
+        self.idle_period = idle_period
         self.max_request_bytes, self.checkpoint_activations = max_request_bytes, checkpoint_activations
         self.max_request_samples = max_request_samples
         self.input_shape = None if input_shape is None else tuple(input_shape)
@@ -156,7 +167,6 @@ class StageServer(ServicerBase):
         self._snapshot_path = device_memory.start_recording(device)
         self.throttle = throttle
         self.policy = policy  # callers off its allow-list, or without the swarm's secret, are refused
-        self.optimizer_state = optimizer_state  # the stage optimizer's state dict, for complete checkpoints
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.throughput = PerformanceEMA(alpha=0.1)
         self.lock = threading.Lock()  # held by the worker while it computes; others take it to read the state
@@ -197,9 +207,8 @@ class StageServer(ServicerBase):
                 requests, self.max_request_bytes, lambda metadata: self._check_caller(context, metadata)
             )
             response = await self.answer(kind, request, str(context.remote_id))
-        except tuple(WIRE_ERRORS.values()) as e:
-            raise type(e)(repr(e)) from None  # hivemind sends str(e) on streams: keep the class name for callers
-
+        except protocol.WIRE_ERRORS as e:
+            raise protocol.error_for_wire(e) from None
         for part in protocol.stream_response(response):
             yield part
 
@@ -219,7 +228,7 @@ class StageServer(ServicerBase):
             kept_bytes=self.kept.nbytes,
             kept_forwards=len(self.kept),
             device_memory=device_memory.usage(self.device),
-            **(self.describe() if self.describe is not None else {}),
+            **(self.optimizer.progress() if self.optimizer is not None else {}),
         )
 
     async def rpc_state(
@@ -230,7 +239,7 @@ class StageServer(ServicerBase):
         self._check_caller(context, request.metadata)
         self._check_uid(request.uid)
         if protocol.decode_metadata(request.metadata).get("optimizer"):
-            if self.optimizer_state is None:
+            if self.optimizer is None:
                 raise SwarmRequestError(f"stage {self.stage} has no optimizer on this peer (it is not training)")
             optimizer = await asyncio.get_running_loop().run_in_executor(None, self._optimizer_bytes)
             state, step = {"optimizer": optimizer}, None
@@ -488,11 +497,11 @@ class StageServer(ServicerBase):
         return StageBusyError(f"stage {self.stage} is out of memory: try another peer or later")
 
     def _idle(self) -> None:
-        if self.on_idle is None:
+        if self.optimizer is None:
             return
         try:
             with self.lock:
-                self.on_idle()
+                self.optimizer.follow_swarm()
         except Exception as e:  # the next idle period tries again; requests must keep being served
             log.warning("Stage %d: idle-time work failed: %r", self.stage, e)
 
@@ -503,8 +512,8 @@ class StageServer(ServicerBase):
         if kind == "forward" or key is None:
             self._check_input_shape(tensors[0].shape)  # again: a request checked before the signature was learned
         if kind == "forward":
-            if self.refresh_parameters is not None:
-                self.refresh_parameters(False)
+            if self.optimizer is not None:
+                self.optimizer.apply_finished_update(wait=False)
             output = self._forward(tensors[0]) if key is None else self._forward_and_keep(tensors[0], key)
             return output, False
         if key is None:
@@ -591,11 +600,15 @@ class StageServer(ServicerBase):
 
     def _hand_over_gradients(self, batch: int) -> None:
         """After a backward was answered: the stage optimizer accumulates its gradients (and steps)."""
-        if self.on_backward is None:
+        if self.optimizer is None:
             return
         try:
             with self.lock:
-                self.on_backward(batch)
+                epoch = self.optimizer.local_epoch
+                self.optimizer.step(batch_size=batch)
+                self.optimizer.zero_grad()
+            if self.optimizer.local_epoch > epoch and self.events is not None:
+                self.events.emit(StageStep(self.stage, self.optimizer.local_epoch))
         except Exception as e:  # the caller has its gradient; the next backward or idle period tries again
             log.warning("Stage %d: the optimizer failed after a backward: %r", self.stage, e)
 
@@ -606,7 +619,7 @@ class StageServer(ServicerBase):
     def _optimizer_bytes(self) -> torch.Tensor:
         with self.lock:
             buffer = io.BytesIO()
-            torch.save(self.optimizer_state(), buffer)
+            torch.save(self.optimizer.state_dict(), buffer)
         return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -617,10 +630,10 @@ class StageServer(ServicerBase):
     def state_and_step(self) -> tuple[dict[str, torch.Tensor], Optional[int]]:
         """:meth:`state_dict`, and the optimizer step (epoch) that state is at (None: no optimizer here)."""
         with self.lock:
-            if self.refresh_parameters is not None:
-                self.refresh_parameters(True)
-            step = (self.describe() if self.describe is not None else {}).get("epoch")
-            return {k: t.detach().cpu().clone() for k, t in self.module.state_dict().items()}, step
+            if self.optimizer is not None:
+                self.optimizer.apply_finished_update(wait=True)
+            state = {k: t.detach().cpu().clone() for k, t in self.module.state_dict().items()}
+            return state, self.optimizer.local_epoch if self.optimizer is not None else None
 
     def shutdown(self) -> None:
         """Stop the worker; requests still queued are answered with an error."""
