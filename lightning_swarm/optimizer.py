@@ -42,6 +42,20 @@ def train_batch_size(trainer: Any) -> Optional[int]:
     return batch_size if isinstance(batch_size, int) else None
 
 
+def target_batch_size(trainer: Any, given: Optional[int]) -> int:
+    """``given``, else this peer's :func:`train_batch_size`, else a ``ValueError`` asking for one."""
+    if given is not None:
+        return given
+    batch_size = train_batch_size(trainer)
+    if batch_size is None:
+        raise ValueError(
+            "Set target_batch_size (or SWARM_TARGET_BATCH_SIZE): the samples, summed over the swarm, after which the "
+            "swarm takes an optimizer step (this peer's datamodule and train DataLoader have no batch_size to start "
+            "from)"
+        )
+    return batch_size
+
+
 def restrict_to(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """A fresh optimizer of the same class with the same per-group hyper-parameters, over ``params`` only."""
     keep = {id(p) for p in params}

@@ -72,7 +72,7 @@ class SwarmSettings:
     """the stage to serve. None: the stage with the fewest peers when this peer joins."""
     target_batch_size: Optional[int] = field(default=None, metadata={CAST: int})
     """samples (summed over the swarm) after which a stage, and the local parameters, take an optimizer step.
-    None: the batch size of the datamodule (``datamodule.batch_size``)."""
+    None: this peer's batch size, from ``datamodule.batch_size`` or else the train DataLoader's ``batch_size``."""
     compression: Codec = field(default="8bit", metadata={CAST: check_codec})
     """codec for activations and their gradients between stages: ``"8bit"`` (blockwise), ``"float16"`` or
     ``"none"``."""

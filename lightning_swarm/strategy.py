@@ -40,7 +40,7 @@ from lightning_swarm.compression import Codec
 from lightning_swarm.errors import failure_line
 from lightning_swarm.events import EventQueue
 from lightning_swarm.node import SwarmNode
-from lightning_swarm.optimizer import SwarmOptimizer, swarm_optimizer, train_batch_size
+from lightning_swarm.optimizer import SwarmOptimizer, swarm_optimizer, target_batch_size
 from lightning_swarm.precision import check_precision
 from lightning_swarm.server.out_of_core import prepare_stage
 from lightning_swarm.server.stage_host import LEAVE_GRACE, Stage, StageHost
@@ -63,7 +63,6 @@ class SwarmStrategy(Strategy):
     ``None`` is read from the environment variable ``SWARM_<ARGUMENT>`` in upper case (``SWARM_RUN_ID``,
     ``SWARM_INITIAL_PEERS``, ``SWARM_NUM_STAGES``, ``SWARM_ROLE``, ...), so that ``Trainer(strategy="swarm")`` can
     be configured from the shell. Lists are comma separated.
-
     """
 
     strategy_name = "swarm"
@@ -207,10 +206,11 @@ class SwarmStrategy(Strategy):
     @contextlib.contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Blocks created in ``configure_model`` start on the meta device: a peer allocates only its own stage."""
-        if is_overridden("configure_model", self.lightning_module):
-            with torch.device("meta"):
-                yield
-        else:
+        with (
+            torch.device("meta")
+            if is_overridden("configure_model", self.lightning_module)
+            else contextlib.nullcontext()
+        ):
             yield
 
     def setup(self, trainer: Trainer) -> None:
@@ -227,8 +227,7 @@ class SwarmStrategy(Strategy):
         if self.role == "drive":
             self.host.announce_driver()
         if self.role != "serve":
-            if fitting:
-                self.host.set_training(True)  # about to train: peers that finished serve on for it (linger)
+            self.host.set_training(fitting)  # about to train: peers that finished serve on for it (linger)
             self.host.wait_for_stages()
         if fitting and self.role == "serve":
             self._serve_until_stopped(trainer)
@@ -246,8 +245,7 @@ class SwarmStrategy(Strategy):
         self.host.set_training(False)
 
     def on_exception(self, exception: BaseException) -> None:
-        """Training raised: say why now (Lightning prints the traceback only after teardown) and tell the swarm this
-        peer no longer trains, so that nobody lingers for it; it then leaves without lingering itself."""
+        """Training raised: say why now and tell the swarm, so that nobody lingers for this peer nor it for others."""
         self._failure = exception
         log.error(failure_line(exception))
         if self.host is not None:
@@ -263,14 +261,10 @@ class SwarmStrategy(Strategy):
         return super().optimizer_step(optimizer, closure, model, batch_size=self._batch_size, **kwargs)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """Load a checkpoint (``fit(ckpt_path=...)``): every stage this peer serves is seeded from it.
-
-        Lightning restores the checkpoint before ``setup``, while the whole pipeline is still in place: the served
-        stage is then cut from the checkpoint's weights. Blocks built on the meta device (``configure_model``) take
-        the checkpoint's tensors. A peer that joins a live swarm still downloads its stage's current state from the
-        peers serving it, which wins over the checkpoint. After a first ``fit`` (the pipeline already cut), the
-        local modules and the served stage are loaded from the checkpoint's keys.
-        """
+        """Load a checkpoint (``fit(ckpt_path=...)``). Lightning restores it before ``setup``, the whole pipeline
+        still in place: the served stage is cut from its weights (meta blocks take its tensors); a peer joining a
+        live swarm then downloads its stage's current state, which wins. After a first ``fit``, the local modules
+        and the served stage are loaded from the checkpoint's keys."""
         state = checkpoint["state_dict"]
         module = self.lightning_module
         self._checkpoint_stage_optimizers = checkpoint.get(STAGE_OPTIMIZERS_KEY)  # loaded once the stage's is built
@@ -417,25 +411,10 @@ class SwarmStrategy(Strategy):
     def _swarm_optimizer(self, optimizer: Optimizer, stage: Optional[int], delayed: bool = False) -> SwarmOptimizer:
         """``optimizer`` stepping once the swarm's peers sharing it (``stage``'s, None: the trainers) processed the
         target batch."""
-        trainer = self.lightning_module.trainer
-        if self.target_batch_size is None:
-            batch_size = train_batch_size(trainer)
-            if batch_size is None:
-                raise ValueError(
-                    "Set target_batch_size (or SWARM_TARGET_BATCH_SIZE): the samples, summed over the swarm, "
-                    "after which the swarm takes an optimizer step (this peer's datamodule and train DataLoader "
-                    "have no batch_size to start from)"
-                )
-            self.settings = dataclasses.replace(self.settings, target_batch_size=batch_size)
-        return swarm_optimizer(
-            self.node.dht,
-            discovery.optimizer_prefix(self.run_id, stage),
-            optimizer,
-            self.target_batch_size,
-            self.matchmaking_time,
-            self.averaging_timeout,
-            delayed=delayed,
-        )
+        given = target_batch_size(self.lightning_module.trainer, self.target_batch_size)
+        self.settings = dataclasses.replace(self.settings, target_batch_size=given)
+        prefix, timing = discovery.optimizer_prefix(self.run_id, stage), (self.matchmaking_time, self.averaging_timeout)
+        return swarm_optimizer(self.node.dht, prefix, optimizer, given, *timing, delayed=delayed)
 
     def _service(self) -> None:
         """On the training (or serving) thread, between steps: carry out a planned move, then hand the queued
