@@ -71,7 +71,8 @@ def open_node(
         node.start(attempts=1)
     except JoinError as e:
         node.shutdown()
-        raise CLIError(f"cannot reach the swarm through {', '.join(initial_peers)}: {e.reason}") from None
+        hint = "" if secret else " (if it is a private swarm, pass --secret-path)"  # its peers refuse to bootstrap us
+        raise CLIError(f"cannot reach the swarm through {', '.join(initial_peers)}: {e.reason}{hint}") from None
     except Exception as e:
         node.shutdown()
         raise CLIError(f"cannot join the swarm through {', '.join(initial_peers)}: {e!r}") from None
