@@ -151,7 +151,31 @@ class _NotesDownloads(DecentralizedAverager):
         return loaded
 
 
-class ConsistentStateAverager(TrainingStateAverager, _NotesDownloads):
+class _BoundedMatchmaking(DecentralizedAverager):
+    """An averager whose rounds stop looking for a group shortly after their scheduled start.
+
+    hivemind's keep looking (retrying) until the round's timeout, the averaging timeout, or for ever for a gradient
+    round that was not pre-scheduled (the optimizer stops waiting for it after the averaging timeout and leaves it
+    running): when the partners never come (they stepped without this peer, or left), a failed round cost a
+    synchronous peer the whole averaging timeout, twice (gradients, then parameters). Here a round that has no group
+    by its scheduled start plus one request's timeout fails; a round that found one runs its all-reduce under
+    hivemind's own timeout.
+    """
+
+    def step(self, *args: Any, scheduled_time: Optional[float] = None, timeout: Optional[float] = None, **kwargs: Any):
+        now = get_dht_time()
+        start = scheduled_time if scheduled_time is not None else now + self.matchmaking_kwargs["min_matchmaking_time"]
+        grace = self.matchmaking_kwargs["request_timeout"] or self.matchmaking_kwargs["min_matchmaking_time"]
+        bound = start + grace - now
+        timeout = bound if timeout is None else min(timeout, bound)
+        return super().step(*args, scheduled_time=scheduled_time, timeout=timeout, **kwargs)
+
+
+class BoundedGradientAverager(GradientAverager, _BoundedMatchmaking):
+    """hivemind's gradient averager, with :class:`_BoundedMatchmaking`'s rounds."""
+
+
+class ConsistentStateAverager(TrainingStateAverager, _NotesDownloads, _BoundedMatchmaking):
     """hivemind's state averager, made to hand out a state that matches the epoch it is labelled with.
 
     hivemind raises a peer's epoch when it schedules a step, then runs the step in a background thread (all of it
@@ -159,7 +183,8 @@ class ConsistentStateAverager(TrainingStateAverager, _NotesDownloads):
     for that step or locking the optimizer: a peer catching up could get the previous step's parameters, or a mix
     of both, labelled with the new epoch, and stay one step apart from the others for good. Here a download waits
     for the pending step briefly (within the downloader's patience) and is refused if it is still running, so the
-    downloader asks again later; the state is read under the optimizer's lock.
+    downloader asks again later; the state is read under the optimizer's lock. Its rounds are bounded as
+    :class:`_BoundedMatchmaking` says.
     """
 
     def __init__(self, *args: Any, request_timeout: float = 3.0, **kwargs: Any) -> None:
@@ -224,14 +249,16 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
-        if maybe_step_control is None or not maybe_step_control.done() or maybe_step_control.cancelled():
+        if maybe_step_control is None or maybe_step_control.cancelled():
             return
-        if maybe_step_control.exception() is None:
+        if maybe_step_control.done() and maybe_step_control.exception() is None:
             self.allreduce_sizes[len(maybe_step_control.result())] += 1
-        else:
-            self.failed_rounds += 1
-            started = maybe_step_control.scheduled_time - self.matchmaking_time
-            self.failed_round_seconds += max(0.0, get_dht_time() - started)
+            return
+        if not maybe_step_control.done():  # hivemind stopped waiting for it (averaging timeout): nobody will use it
+            maybe_step_control.cancel()
+        self.failed_rounds += 1
+        started = maybe_step_control.scheduled_time - self.matchmaking_time
+        self.failed_round_seconds += max(0.0, get_dht_time() - started)
 
     def _load_averaged_gradients_into_optimizer_(self) -> None:
         # hivemind makes a missing .grad (zero_grad sets it to None) a clone of the averaged gradient, which lives on
@@ -382,7 +409,7 @@ def hivemind_tuning(matchmaking_time: float, averaging_timeout: float) -> dict[s
         load_state_timeout=averaging_timeout,
         # hivemind 1.1.12 passes averager_opts to the state averager only: the gradient averager's go here
         averager_opts=dict(request_timeout=request_timeout),
-        grad_averager_factory=partial(GradientAverager, request_timeout=request_timeout),
+        grad_averager_factory=partial(BoundedGradientAverager, request_timeout=request_timeout),
         # with no rate estimates, peers learn of each other's samples only by polling: poll well within matchmaking
         tracker_opts=dict(
             min_refresh_period=0.2,

@@ -1,6 +1,14 @@
-"""The stage optimizer's download of a stage's state, on real hivemind DHT nodes and averagers in this process."""
+"""The stage optimizer's download of a stage's state and its gradient rounds, on real hivemind DHT nodes and averagers
+in this process."""
 
 from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -8,11 +16,11 @@ from lightning_swarm.node import SwarmNode
 from lightning_swarm.optimizer import swarm_optimizer
 
 
-def _optimizer(node: SwarmNode, seed: int):
+def _optimizer(node: SwarmNode, seed: int, prefix: str = "download_test", target: int = 8, averaging_timeout=5.0):
     torch.manual_seed(seed)
     model = torch.nn.Linear(8, 8)
-    wrapped = swarm_optimizer(node.dht, "download_test", torch.optim.AdamW(model.parameters(), lr=1e-2), 8, 1.0, 5.0)
-    return model, wrapped
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, swarm_optimizer(node.dht, prefix, optimizer, target, 1.0, averaging_timeout)
 
 
 def test_download_says_whether_a_state_came_from_a_peer():
@@ -38,3 +46,59 @@ def test_download_says_whether_a_state_came_from_a_peer():
             optimizer.shutdown()
         for node in reversed(nodes):
             node.shutdown()
+
+
+ABSENT_PEER = """
+import sys, time, torch
+from test_optimizer import _optimizer
+from lightning_swarm.node import SwarmNode
+node = SwarmNode(sys.argv[1:]).start()
+model, optimizer = _optimizer(node, 1, "round_test", target=1000, averaging_timeout=10.0)  # never ready itself
+for p in model.parameters():
+    p.grad = torch.ones_like(p)
+optimizer.step(batch_size=4)
+print("stepped", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_round_whose_partner_never_comes_costs_its_matchmaking_time_not_the_averaging_timeout():
+    """Two peers of a stage hold samples that together reach the target; one steps, the other does not join its rounds
+    (it left, or is stuck): each of the step's two rounds (gradients, then parameters) fails once its matchmaking time
+    (1 s) and one request's timeout (0.5 s) are over, not after the averaging timeout (10 s); the failed gradient
+    round is counted with its time, and the peer steps with its own gradients. (The other peer is a process of its
+    own, as hivemind's progress records of one process share a key.)"""
+    node = SwarmNode().start()
+    absent = subprocess.Popen(
+        [sys.executable, "-c", ABSENT_PEER, *map(str, node.visible_maddrs())],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parent,
+        start_new_session=True,
+    )
+    optimizer = None
+    try:
+        assert absent.stdout.readline().strip() == "stepped"
+        model, optimizer = _optimizer(node, 0, "round_test", averaging_timeout=10.0)
+        deadline = time.monotonic() + 10
+        while optimizer.tracker.global_progress.samples_accumulated < 4:
+            assert time.monotonic() < deadline, "this peer never saw the other's samples"
+            time.sleep(0.1)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        before = model.weight.detach().clone()
+
+        started = time.monotonic()
+        optimizer.step(batch_size=4)  # 4 + 4 samples: the target of 8
+        took = time.monotonic() - started
+
+        assert optimizer.failed_rounds == 1 and not optimizer.allreduce_sizes
+        assert took < 2 * (1.0 + 0.5) + 1.5, f"the step took {took:.1f}s"
+        assert 1.0 <= optimizer.failed_round_seconds < 3.0
+        assert optimizer.local_epoch == 1 and not torch.equal(model.weight, before)  # stepped on its own gradients
+    finally:
+        os.killpg(absent.pid, signal.SIGKILL)  # with its node's daemons
+        absent.wait()
+        if optimizer is not None:
+            optimizer.shutdown()
+        node.shutdown()
