@@ -23,6 +23,9 @@ class StageFailedError(RuntimeError):
     the work to another peer."""
 
 
+MID_STEP = "this peer is in the middle of a step: download its state later"  # a state download refused, for now
+
+
 class BadReplyError(RuntimeError):
     """A stage peer answered with a malformed reply (wrong shape, dtype or size, NaN or Inf): the caller bans the
     peer and sends the work to another."""

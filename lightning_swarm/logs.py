@@ -12,6 +12,8 @@ from typing import Hashable
 
 from hivemind.utils.logging import CustomFormatter
 
+from lightning_swarm.errors import MID_STEP
+
 ROOT_LOGGER = "lightning_swarm"
 
 
@@ -47,6 +49,8 @@ class _HivemindNoise(logging.Filter):
 
     - an all-reduce round that found no group is logged at ERROR with a traceback; the peer then steps with its own
       gradients and catches up with the others later: demoted to one INFO line, without the traceback;
+    - a state download that a peer refused because it was in the middle of a step (the downloader tries another
+      peer, or again later) is logged at ERROR with a traceback: demoted to one INFO line;
     - a round whose step was cancelled (its peer caught up by downloading the state) that then finishes: hivemind
       catches asyncio's ``InvalidStateError`` but not the one its futures raise, and asyncio reports "Task
       exception was never retrieved" with a traceback: dropped;
@@ -59,9 +63,9 @@ class _HivemindNoise(logging.Filter):
         error = record.exc_info[1] if record.exc_info else None
         message = record.getMessage()
         if error is not None and "could not find a group" in str(error):
-            record.levelno, record.levelname = logging.INFO, "INFO"
-            record.msg, record.args, record.exc_info, record.exc_text = f"All-reduce round: {error}", (), None, None
-            return logging.getLogger(record.name).isEnabledFor(logging.INFO)
+            return _to_info_line(record, f"All-reduce round: {error}")
+        if message.startswith("Failed to download state from") and MID_STEP in message:
+            return _to_info_line(record, message)
         if type(error).__name__ == "InvalidStateError" and "CANCELLED" in str(error) and "Averager" in message:
             return False
         if message.startswith("Task was destroyed but it is pending") and (
@@ -69,6 +73,13 @@ class _HivemindNoise(logging.Filter):
         ):
             return False  # hivemind's tasks, or any background loop's at interpreter exit
         return not (isinstance(error, GeneratorExit) and "hivemind" in message)
+
+
+def _to_info_line(record: logging.LogRecord, message: str) -> bool:
+    """Make ``record`` one INFO line saying ``message``, without a traceback; whether its logger shows INFO."""
+    record.levelno, record.levelname = logging.INFO, "INFO"
+    record.msg, record.args, record.exc_info, record.exc_text = message, (), None, None
+    return logging.getLogger(record.name).isEnabledFor(logging.INFO)
 
 
 HIVEMIND_NOISE_LOGGERS = (

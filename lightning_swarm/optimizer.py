@@ -23,6 +23,8 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
 from hivemind.utils.performance_ema import PerformanceEMA
 
+from lightning_swarm.errors import MID_STEP
+
 log = logging.getLogger(__name__)
 
 
@@ -197,7 +199,7 @@ class ConsistentStateAverager(TrainingStateAverager, _NotesDownloads, _BoundedMa
             try:
                 update.result(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                raise RuntimeError("this peer is in the middle of a step: download its state later") from None
+                raise RuntimeError(MID_STEP) from None
             except BaseException:  # a failed or cancelled step left the state as it was
                 pass
         with self.lock_optimizer:

@@ -11,8 +11,10 @@ import sys
 import pytest
 from conftest import ROOT
 from hivemind.averaging.partition import AllreduceException
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 
 import lightning_swarm  # noqa: F401  (installs the handler and the filters)
+from lightning_swarm.errors import MID_STEP
 from lightning_swarm.logs import HIVEMIND_NOISE_LOGGERS, RateLimit
 
 
@@ -37,9 +39,9 @@ def captured():
 
 
 def test_hivemind_noise_of_a_healthy_swarm_is_kept_out_of_the_logs(captured, monkeypatch):
-    """What hivemind and asyncio print in a healthy swarm (rounds without a group, a cancelled round finishing,
-    averager tasks destroyed at shutdown) prints no traceback; other errors print as before. A round without a
-    group is an INFO line (hidden at the WARNING level of a swarm's peers)."""
+    """What hivemind and asyncio print in a healthy swarm (rounds without a group, a state download refused during a
+    step, a cancelled round finishing, averager tasks destroyed at shutdown) prints no traceback; other errors print
+    as before. A round without a group or a refused download is an INFO line (hidden at a peer's WARNING level)."""
     for name in ("hivemind.averaging.averager", "hivemind.optim.optimizer"):
         monkeypatch.setattr(logging.getLogger(name), "level", logging.WARNING)
     for name in ("hivemind.averaging.averager", "hivemind.optim.optimizer"):  # as hivemind logs them
@@ -47,6 +49,10 @@ def test_hivemind_noise_of_a_healthy_swarm_is_kept_out_of_the_logs(captured, mon
             raise AllreduceException("Averaging step failed: could not find a group")
         except AllreduceException as e:
             logging.getLogger(name).exception(e)
+    try:  # a peer refused a state download: it is in the middle of a step
+        raise P2PHandlerError(f"Failed to call handler `rpc_download_state` at 12D3Koo: {MID_STEP}")
+    except P2PHandlerError as e:
+        logging.getLogger("hivemind.averaging.averager").exception(f"Failed to download state from 12D3Koo - {e!r}")
     asyncio_logger = logging.getLogger("asyncio")
     cancelled = concurrent.futures.InvalidStateError("Can't set_result to a future that is CANCELLED (123)")
     asyncio_logger.error(
