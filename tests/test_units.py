@@ -441,8 +441,8 @@ def test_microbatches_default_to_auto_from_arguments_or_environment(monkeypatch)
 
 
 class EchoRouter:
-    """Stands in for a StageRouter: every stage answers its input back after a while; records the calls' batch
-    sizes and how many were in flight at once."""
+    """Stands in for a StageRouter: every stage answers its input back after a while, checked as the router checks
+    replies; records the calls' batch sizes and how many were in flight at once."""
 
     num_stages = 2
 
@@ -457,7 +457,11 @@ class EchoRouter:
         time.sleep(0.05)
         with self.lock:
             self.active -= 1
+        check([messages[-1]])
         return [messages[-1]], "peer"
+
+    def call_peer(self, stage, peer, method, messages, metadata, batch, check):
+        return self.call(stage, method, messages, metadata, batch, check=check)[0]
 
 
 def test_auto_microbatches_are_resolved_per_batch_and_travel_concurrently():
@@ -472,6 +476,24 @@ def test_auto_microbatches_are_resolved_per_batch_and_travel_concurrently():
                 assert torch.equal(pipeline(x), x)
             assert router.batches == [batch_size // count] * count * router.num_stages
             assert router.most == count
+    finally:
+        pipeline.close()
+
+
+def test_the_pipeline_decodes_each_reply_once(monkeypatch):
+    """Forward and backward through 2 stages, 4 microbatches: each reply is decoded by its check, and the last one of
+    each microbatch's route is handed back as the check decoded it, not decoded again."""
+    decoded = []
+    deserialize = compression.deserialize
+    monkeypatch.setattr(compression, "deserialize", lambda *a, **k: decoded.append(1) or deserialize(*a, **k))
+    router = EchoRouter()
+    pipeline = RemotePipeline(router, codec="8bit", microbatches=4)
+    try:
+        x = torch.randn(8, 3, requires_grad=True)
+        y = pipeline(x)
+        assert len(decoded) == 4 * router.num_stages and torch.allclose(y, x, atol=0.05)
+        y.sum().backward()
+        assert len(decoded) == 2 * 4 * router.num_stages and torch.allclose(x.grad, torch.ones_like(x), atol=0.05)
     finally:
         pipeline.close()
 

@@ -7,10 +7,11 @@ on the caller: if that peer died or dropped the graph, the input goes with the g
 which recomputes the stage's forward from it.
 
 Activations and gradients are encoded once, where they are made: a stage's reply goes on to the next stage as it
-came, compressed, and only the pipeline's output and input gradient are kept decoded here. Every reply is checked
-first (:class:`~lightning_swarm.client.routing.ReplyCheck`): a forward's output has the microbatch's samples, finite
-values, and the shape per sample and dtype of the stage's first output (learned); a backward's input gradient has
-the stage input's shape and dtype. A peer that answers otherwise is banned and the microbatch goes to another peer.
+came, compressed, and only the pipeline's output and input gradient are kept decoded here (as the check decoded
+them). Every reply is checked first (:class:`~lightning_swarm.client.routing.ReplyCheck`): a forward's output has
+the microbatch's samples, finite values, and the shape per sample and dtype of the stage's first output (learned); a
+backward's input gradient has the stage input's shape and dtype. A peer that answers otherwise is banned and the
+microbatch goes to another peer.
 
 
 A batch is split into equal microbatches that travel through the stages concurrently (each on its own route), so
@@ -133,28 +134,30 @@ class RemotePipeline(nn.Module):
 
             route.peers.append(peer)
             route.keys.append(key)
-        return compression.deserialize(hidden), route
+        return check.decoded, route
 
     def _backward_route(
         self, grad_outputs: torch.Tensor, route: Route, loss_scale: Optional[float] = None
     ) -> torch.Tensor:
         grad = compression.encode(grad_outputs, self.codec)
         for stage in reversed(range(self.num_stages)):
-            grad = self._backward_stage(stage, grad, route, loss_scale)
-        return compression.deserialize(grad)
+            grad, decoded = self._backward_stage(stage, grad, route, loss_scale)
+        return decoded
 
     def _backward_stage(
         self, stage: int, grad: runtime_pb2.Tensor, route: Route, loss_scale: Optional[float]
-    ) -> runtime_pb2.Tensor:
-        """Backward on the peer that kept the forward; else recompute on a peer of the stage from the input."""
+    ) -> tuple[runtime_pb2.Tensor, torch.Tensor]:
+        """Backward on the peer that kept the forward; else recompute on a peer of the stage from the input. Returns
+        the input gradient as it came and decoded."""
         peer, failed = route.peers[stage], None
         scaled = {} if loss_scale is None else {"loss_scale": loss_scale}
         inputs = route.inputs[stage]  # the input gradient must be shaped like it; NaN reports an overflow
         check = ReplyCheck(int(inputs.size[0]), inputs.size, compression.decoded_dtype(inputs), loss_scale is None)
         if route.keys[stage] is not None:
             try:
-                kept = route.keys[stage]
-                return self._call(stage, "backward", [grad], check, prefer=peer, failover=False, kept=kept, **scaled)[0]
+                kept = {"kept": route.keys[stage], **scaled}
+                reply, _ = self._call(stage, "backward", [grad], check, prefer=peer, failover=False, **kept)
+                return reply, check.decoded
             except CALLERS_FAULT:
                 raise
             except ActivationsLostError:
@@ -166,7 +169,7 @@ class RemotePipeline(nn.Module):
         grad, retried_on = self._call(stage, "backward", [inputs, grad], check, prefer=peer, **scaled)
         if failed is not None:
             self.router.failed_over(stage, "backward", route.peers[stage], retried_on, failed)
-        return grad
+        return grad, check.decoded
 
     def _call(
         self,

@@ -59,17 +59,19 @@ MAX_REPLY_BYTES = 256 * 2**20  # a reply's tensor, decoded: as much as a stage s
 Reply = list[runtime_pb2.Tensor]
 
 
-@dataclass(frozen=True)
+@dataclass
 class ReplyCheck:
     """What a stage's reply must be: one floating-point tensor of ``batch`` samples; of exactly ``shape`` and
     ``dtype`` when given (a backward's input gradient is shaped like the stage's input); at most ``max_bytes``
-    decoded; finite unless ``finite`` is False (a backward under a loss scale reports an overflow as NaN)."""
+    decoded; finite unless ``finite`` is False (a backward under a loss scale reports an overflow as NaN). The
+    check decodes the reply to look at its values: ``decoded`` keeps the last reply it passed, for the caller."""
 
     batch: int
     shape: Optional[Sequence[int]] = None
     dtype: Optional[torch.dtype] = None
     finite: bool = True
     max_bytes: int = MAX_REPLY_BYTES
+    decoded: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
 
     def __call__(self, reply: Reply) -> None:
         """Raise :class:`BadReplyError` unless ``reply`` is what was asked for."""
@@ -90,6 +92,7 @@ class ReplyCheck:
             raise BadReplyError(f"a reply of dtype {tensor.dtype}, expected {self.dtype or 'a floating dtype'}")
         if self.finite and not torch.isfinite(tensor).all():
             raise BadReplyError("a reply with NaN or Inf")
+        self.decoded = tensor
 
 
 @dataclass
