@@ -136,9 +136,11 @@ class SwarmSettings:
     address_file: Optional[str] = field(default=None, metadata={CAST: str})
     """if set, this peer writes its multiaddrs there (one per line) once it is reachable."""
     matchmaking_time: float = field(default=5.0, metadata={CAST: float})
-    """seconds peers spend forming an all-reduce group before a step. Default 5."""
+    """seconds peers spend forming an all-reduce group before a step; a round without a group by then (and one
+    request's timeout, at most 1 s) fails, and the peer steps with its own gradients. Default 5."""
     averaging_timeout: float = field(default=30.0, metadata={CAST: float})
-    """seconds after which an all-reduce gives up and the peer steps with its own gradients. Default 30."""
+    """seconds after which an all-reduce whose group formed gives up and the peer steps with its own gradients
+    (also the patience of a state download). Default 30."""
     request_timeout: float = field(default=60.0, metadata={CAST: float})
     """seconds to wait for a stage's reply before trying another peer of the stage. Default 60."""
     max_retries: int = field(default=5, metadata={CAST: int})
