@@ -54,6 +54,8 @@ class _HivemindNoise(logging.Filter):
     - a round whose step was cancelled (its peer caught up by downloading the state) that then finishes: hivemind
       catches asyncio's ``InvalidStateError`` but not the one its futures raise, and asyncio reports "Task
       exception was never retrieved" with a traceback: dropped;
+    - a libp2p stream that its caller closed before the daemon's connection was handled: uvloop reports
+      "Unhandled exception in client_connected_cb" (``cannot reuse already awaited coroutine``): dropped;
     - when an averager process stops, asyncio reports its matchmaking tasks as "destroyed but pending" (and, at
       interpreter exit, the tasks of any background loop), and hivemind the ``GeneratorExit`` of cancelling them:
       dropped.
@@ -66,6 +68,8 @@ class _HivemindNoise(logging.Filter):
             return _to_info_line(record, f"All-reduce round: {error}")
         if message.startswith("Failed to download state from") and MID_STEP in message:
             return _to_info_line(record, message)
+        if message.startswith("Unhandled exception in client_connected_cb") and "already awaited" in str(error):
+            return False
         if type(error).__name__ == "InvalidStateError" and "CANCELLED" in str(error) and "Averager" in message:
             return False
         if message.startswith("Task was destroyed but it is pending") and (

@@ -40,8 +40,9 @@ def captured():
 
 def test_hivemind_noise_of_a_healthy_swarm_is_kept_out_of_the_logs(captured, monkeypatch):
     """What hivemind and asyncio print in a healthy swarm (rounds without a group, a state download refused during a
-    step, a cancelled round finishing, averager tasks destroyed at shutdown) prints no traceback; other errors print
-    as before. A round without a group or a refused download is an INFO line (hidden at a peer's WARNING level)."""
+    step, a stream closed before the daemon handled it, a cancelled round finishing, averager tasks destroyed at
+    shutdown) prints no traceback; other errors print as before. A round without a group or a refused download is an
+    INFO line (hidden at a peer's WARNING level)."""
     for name in ("hivemind.averaging.averager", "hivemind.optim.optimizer"):
         monkeypatch.setattr(logging.getLogger(name), "level", logging.WARNING)
     for name in ("hivemind.averaging.averager", "hivemind.optim.optimizer"):  # as hivemind logs them
@@ -58,6 +59,11 @@ def test_hivemind_noise_of_a_healthy_swarm_is_kept_out_of_the_logs(captured, mon
     asyncio_logger.error(
         "Task exception was never retrieved\nfuture: <Task finished coro=<DecentralizedAverager._step() done>>",
         exc_info=(type(cancelled), cancelled, None),
+    )
+    reused = RuntimeError("cannot reuse already awaited coroutine")
+    asyncio_logger.error(
+        "Unhandled exception in client_connected_cb\ntransport: <UnixTransport closed=True reading=False 0x7f>",
+        exc_info=(type(reused), reused, None),
     )
     asyncio_logger.error(
         "Task was destroyed but it is pending!\ntask: <Task cancelling coro=<Matchmaking._request_join_potential_"
