@@ -3,6 +3,7 @@ lines printed at most once a period, and hivemind's known noise in a healthy swa
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import sys
@@ -49,6 +50,8 @@ class _HivemindNoise(logging.Filter):
 
     - an all-reduce round that found no group is logged at ERROR with a traceback; the peer then steps with its own
       gradients and catches up with the others later: demoted to one INFO line, without the traceback;
+    - a round cancelled while it waited for its peer to start it (the peer stepped without it): a traceback at
+      ERROR, demoted to one INFO line;
     - a state download that a peer refused because it was in the middle of a step (the downloader tries another
       peer, or again later) is logged at ERROR with a traceback: demoted to one INFO line;
     - a round whose step was cancelled (its peer caught up by downloading the state) that then finishes: hivemind
@@ -66,6 +69,8 @@ class _HivemindNoise(logging.Filter):
         message = record.getMessage()
         if error is not None and "could not find a group" in str(error):
             return _to_info_line(record, f"All-reduce round: {error}")
+        if isinstance(error, asyncio.CancelledError) and record.name == "hivemind.averaging.averager":
+            return _to_info_line(record, "All-reduce round: cancelled")
         if message.startswith("Failed to download state from") and MID_STEP in message:
             return _to_info_line(record, message)
         if message.startswith("Unhandled exception in client_connected_cb") and "already awaited" in str(error):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import re
@@ -39,10 +40,10 @@ def captured():
 
 
 def test_hivemind_noise_of_a_healthy_swarm_is_kept_out_of_the_logs(captured, monkeypatch):
-    """What hivemind and asyncio print in a healthy swarm (rounds without a group, a state download refused during a
-    step, a stream closed before the daemon handled it, a cancelled round finishing, averager tasks destroyed at
-    shutdown) prints no traceback; other errors print as before. A round without a group or a refused download is an
-    INFO line (hidden at a peer's WARNING level)."""
+    """What hivemind and asyncio print in a healthy swarm (rounds without a group or cancelled, a state download
+    refused during a step, a stream closed before the daemon handled it, a cancelled round finishing, averager tasks
+    destroyed at shutdown) prints no traceback; other errors print as before. A round without a group, a cancelled
+    one or a refused download is an INFO line (hidden at a peer's WARNING level)."""
     for name in ("hivemind.averaging.averager", "hivemind.optim.optimizer"):
         monkeypatch.setattr(logging.getLogger(name), "level", logging.WARNING)
     for name in ("hivemind.averaging.averager", "hivemind.optim.optimizer"):  # as hivemind logs them
@@ -50,6 +51,10 @@ def test_hivemind_noise_of_a_healthy_swarm_is_kept_out_of_the_logs(captured, mon
             raise AllreduceException("Averaging step failed: could not find a group")
         except AllreduceException as e:
             logging.getLogger(name).exception(e)
+    try:  # a round cancelled while waiting for its trigger
+        raise asyncio.CancelledError()
+    except asyncio.CancelledError as e:
+        logging.getLogger("hivemind.averaging.averager").exception(e)
     try:  # a peer refused a state download: it is in the middle of a step
         raise P2PHandlerError(f"Failed to call handler `rpc_download_state` at 12D3Koo: {MID_STEP}")
     except P2PHandlerError as e:
