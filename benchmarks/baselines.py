@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -154,6 +155,9 @@ def hivemind_peer(a: argparse.Namespace, model: GPT, batches: list, record: Call
     else:
         wait_until(maddrs.exists, "DHT address of peer 0")
         dht = DHT(initial_peers=maddrs.read_text().split(), start=True, host_maddrs=LOOPBACK)
+    # hivemind.Optimizer's state averager, a process, cannot be pickled as forkserver (Python 3.14's default start
+    # method on Linux) needs to start it; the swarm's own averagers start by fork (lightning_swarm/optimizer.py)
+    multiprocessing.set_start_method("fork", force=True)
     optimizer = Optimizer(
         dht=dht,
         run_id="baseline",

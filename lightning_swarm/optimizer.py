@@ -8,6 +8,7 @@ gradients until the peers sharing it (the peers of that stage, or all trainers) 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import time
 from collections import Counter
 from functools import partial
@@ -141,6 +142,15 @@ class CountingProgressTracker(ProgressTracker):
         return super().ready_to_update_epoch or counted >= self.target_batch_size
 
 
+class _StartsByFork(multiprocessing.context.ForkProcess):
+    """A process started by fork whatever the default start method: the first base of the swarm's averagers.
+
+    hivemind's averagers are processes that start with the default method and expect a fork (its DHT, a
+    ``ForkProcess``, always forks): forkserver, the default on Linux from Python 3.14 on, pickles the process to start
+    it, and an averager cannot be pickled.
+    """
+
+
 class _NotesDownloads(DecentralizedAverager):
     """Remembers whether the last download brought a state: ``TrainingStateAverager.load_state_from_peers``, which
     calls this one, returns nothing either way."""
@@ -173,11 +183,11 @@ class _BoundedMatchmaking(DecentralizedAverager):
         return super().step(*args, scheduled_time=scheduled_time, timeout=timeout, **kwargs)
 
 
-class BoundedGradientAverager(GradientAverager, _BoundedMatchmaking):
-    """hivemind's gradient averager, with :class:`_BoundedMatchmaking`'s rounds."""
+class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaking):
+    """hivemind's gradient averager, with :class:`_BoundedMatchmaking`'s rounds, started by fork."""
 
 
-class ConsistentStateAverager(TrainingStateAverager, _NotesDownloads, _BoundedMatchmaking):
+class ConsistentStateAverager(_StartsByFork, TrainingStateAverager, _NotesDownloads, _BoundedMatchmaking):
     """hivemind's state averager, made to hand out a state that matches the epoch it is labelled with.
 
     hivemind raises a peer's epoch when it schedules a step, then runs the step in a background thread (all of it
@@ -186,7 +196,7 @@ class ConsistentStateAverager(TrainingStateAverager, _NotesDownloads, _BoundedMa
     of both, labelled with the new epoch, and stay one step apart from the others for good. Here a download waits
     for the pending step briefly (within the downloader's patience) and is refused if it is still running, so the
     downloader asks again later; the state is read under the optimizer's lock. Its rounds are bounded as
-    :class:`_BoundedMatchmaking` says.
+    :class:`_BoundedMatchmaking` says; it starts by fork (:class:`_StartsByFork`).
     """
 
     def __init__(self, *args: Any, request_timeout: float = 3.0, **kwargs: Any) -> None:

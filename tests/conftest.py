@@ -6,6 +6,7 @@ import os
 import sys
 import time
 import uuid
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import psutil
@@ -53,6 +54,8 @@ def no_leftover_processes():
     deadline = time.monotonic() + 15
     while (left := p2pd_processes() - before) and time.monotonic() < deadline:
         time.sleep(0.5)
+    # multiprocessing's own helper, not a leftover: locks made under forkserver (Python 3.14's default) start it
+    resource_tracker._resource_tracker._stop()
     children = psutil.Process().children(recursive=True)
     for process in [*children, *(psutil.Process(pid) for pid in left if psutil.pid_exists(pid))]:
         process.kill()

@@ -3,6 +3,7 @@ in this process."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from lightning_swarm.node import SwarmNode
@@ -23,9 +25,20 @@ def _optimizer(node: SwarmNode, seed: int, prefix: str = "download_test", target
     return model, swarm_optimizer(node.dht, prefix, optimizer, target, 1.0, averaging_timeout)
 
 
-def test_download_says_whether_a_state_came_from_a_peer():
+@pytest.fixture(params=["fork", "forkserver"])
+def default_start_method(request):
+    """This process's default multiprocessing start method for one test: fork (Linux up to Python 3.13) or
+    forkserver (from 3.14 on), which pickles a process to start it."""
+    before = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method(request.param, force=True)
+    yield request.param
+    multiprocessing.set_start_method(before, force=True)
+
+
+def test_download_says_whether_a_state_came_from_a_peer(default_start_method):
     """A joiner's freshly initialised weights must not pass for downloaded ones: ``downloaded`` is false when no
-    peer answered (the epoch, 0 on both sides, cannot tell), and true, with the peer's parameters, when one did."""
+    peer answered (the epoch, 0 on both sides, cannot tell), and true, with the peer's parameters, when one did.
+    The averagers start whatever the default start method."""
     first = SwarmNode().start()
     nodes, optimizers = [first], []
     try:
