@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
 
 def smoke(tmp_path, name: str, timeout: float) -> str:
