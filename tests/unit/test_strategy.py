@@ -1,6 +1,9 @@
-"""SwarmStrategy's arguments: registration, precedence over the environment, refusals, defaults read from the run."""
+"""SwarmStrategy in-process: registration, its arguments (precedence over the environment, refusals, defaults read
+from the run), and the router's counters it hands out."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -8,6 +11,7 @@ import torch
 from torch import nn
 
 import lightning_swarm
+from lightning_swarm.client.routing import RouterStats
 from lightning_swarm.optimizer import train_batch_size
 from lightning_swarm.strategy import SwarmStrategy
 
@@ -98,3 +102,16 @@ def test_target_batch_size_defaults_to_the_train_dataloaders_batch_size(given):
         )
         trainer.fit(module, datamodule=datamodule)
     assert seen.seen == {"module": 3, "fit": 5, "datamodule": 6}[given]
+
+
+def test_router_stats_are_a_copy_of_the_routers_counters():
+    """Callbacks read the router's counters through the strategy, as a copy the router's threads do not change."""
+    strategy = SwarmStrategy()
+    assert strategy.router_stats == RouterStats()  # before fit: no router
+    strategy.router = SimpleNamespace(stats=RouterStats(calls=3, failovers=1, seconds={0: 0.5}, chosen={"a": 3}))
+    stats = strategy.router_stats
+    assert stats == strategy.router.stats
+    strategy.router.stats.add(calls=1)
+    strategy.router.stats.chosen["a"] += 1
+    strategy.router.stats.seconds[1] = 0.2
+    assert (stats.calls, stats.chosen, stats.seconds) == (3, {"a": 3}, {0: 0.5})
