@@ -28,7 +28,7 @@ def swapping_everything() -> dict[str, str]:
 def test_swarm_with_an_out_of_core_stage_trains_as_plain_training(swarm, tmp_path):
     """Stage 1's peer serves its three blocks out of core, all swapped, kept forwards on: the swarm's losses and the
     checkpoint it gathers after 6 steps equal plain training's, as with the resident stage
-    (tests/test_swarm.py::test_exact_against_single_process)."""
+    (tests/swarm/test_swarm.py::test_exact_against_single_process)."""
     args = [*six_block_gpt(), "--max-steps", "6"]
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_COMPRESSION": "none", "SWARM_MICROBATCHES": "1"}
     env["SWARM_DELAYED_UPDATES"] = "false"  # delayed updates apply each step one step late, unlike plain training
