@@ -109,6 +109,3 @@ def test_failed_trainers_leave_at_once(swarm, tmp_path):
         assert took[name] < timeout + 45, log[-3000:]  # linger is 120 s: never waited out
         assert re.search(r"Training failed, leaving the swarm now: StageUnavailableError: Stage 1", log), log[-3000:]
         assert "Training done: serving on" not in log
-
-
-# ---- in one process: stage servers behind a router, reached as the direct path reaches them ---------------------

@@ -233,9 +233,6 @@ def test_a_flood_of_requests_is_answered_busy_and_the_server_keeps_serving(swarm
         node.shutdown()
 
 
-# ---- in one process: a stage server's own checks, before and after the network -----------------------------------
-
-
 def test_a_flooding_trainer_does_not_starve_another(swarm, tmp_path):
     """Two trainers share a stage server whose queue holds 8 requests. One floods it from 16 threads with training
     forwards that it never follows with their backward (filling the queue and the kept-activation budget); the

@@ -116,6 +116,9 @@ def test_print_config(capsys):
     assert config["seed_everything"] == 0 and config["model"]["d_model"] == 64
 
 
+# ---- lightning-swarm status ---------------------------------------------------------------------------------------
+
+
 class FakeNode:
     """The DHT as status reads it: key -> {subkey: value}, no network."""
 
