@@ -13,11 +13,13 @@ from lightning_swarm.server.stage_server import StageServer
 
 
 def blocks() -> nn.Sequential:
+    """Three small MLP blocks (16 features), the same weights on every call."""
     torch.manual_seed(0)
     return nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)))
 
 
 def ask(server: StageServer, kind: str, tensors: list[torch.Tensor], **metadata: str) -> torch.Tensor:
+    """``server``'s answer to a ``kind`` request (forward, backward) of ``tensors``, uncompressed, without a network."""
     request = runtime_pb2.ExpertRequest(
         uid=server.uid,
         tensors=[compression.serialize(t, "none") for t in tensors],
