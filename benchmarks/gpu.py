@@ -54,7 +54,7 @@ the runs it finished (each run is saved as it ends). `--updates synchronous` or 
 mode, `--no-plain` only the swarm (plain training measured by an earlier command).
 
 Without CUDA, `--smoke` prints that it skipped and exits 0; `--device cpu` runs the whole harness on the CPU with a
-tiny model (d_model 64, 2 blocks, batch 4 x 32, 2 + 3 batches), as tests/swarm/test_benchmarks.py does.
+tiny model (d_model 64, 2 blocks, batch 4 x 32, 2 + 3 batches), as tests/swarm/test_benchmarks_gpu.py does.
 """
 
 from __future__ import annotations
