@@ -49,8 +49,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpt import GPT, CharDataModule  # noqa: E402
+from harness import ONE_THREAD, STAGES, SWARM, model_args, plain, script_parser, steady_throughput, swarm  # noqa: E402
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
-from swarm_throughput import ONE_THREAD, STAGES, SWARM, model_args, plain, steady_throughput, swarm  # noqa: E402
 
 from lightning_swarm.optimizer import hivemind_tuning  # noqa: E402
 
@@ -278,8 +278,7 @@ def train(method: str, args: list[str], work: Path, a: argparse.Namespace, run_i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes and a few steps, to check the script")
+    parser = script_parser(__doc__, "tiny sizes and a few steps, to check the script")
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512], help="hidden sizes (d_model)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=16)

@@ -15,7 +15,6 @@ spread evenly and a newcomer joins the bottleneck stage). Also reported: the tra
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import signal
@@ -26,9 +25,9 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-GPT = str(ROOT / "examples" / "gpt.py")
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from harness import GPT, script_parser  # noqa: E402
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
 
 from lightning_swarm import discovery  # noqa: E402
@@ -125,8 +124,7 @@ def run(rebalance_period: float, plan: list, initial: list[float], duration: flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="a short run with rebalancing, to check the script")
+    parser = script_parser(__doc__, "a short run with rebalancing, to check the script")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results file; the JSON goes to results/ beside it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rebalance-period", type=float, default=15.0)

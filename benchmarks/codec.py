@@ -12,7 +12,6 @@ per second, the median of several repeats, with one torch thread. On a machine w
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import statistics
@@ -29,6 +28,7 @@ from hivemind.proto import runtime_pb2  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import script_parser  # noqa: E402
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
 
 from lightning_swarm import compression  # noqa: E402
@@ -98,8 +98,7 @@ def measure(tensor: torch.Tensor, repeats: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="one tiny tensor and few repeats, to check the script")
+    parser = script_parser(__doc__, "one tiny tensor and few repeats, to check the script")
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 2048], help="hidden sizes (last dim)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=64)

@@ -35,8 +35,8 @@ import numpy
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from harness import STAGES, model_args, plain, script_parser, train_on_swarm  # noqa: E402
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
-from swarm_throughput import STAGES, model_args, plain, train_on_swarm  # noqa: E402
 
 TARGET_GAP = 0.03
 
@@ -62,8 +62,7 @@ def at(points: dict, samples: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny model and a few steps, to check the script")
+    parser = script_parser(__doc__, "tiny model and a few steps, to check the script")
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps of --batch-size samples")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per step (even: two trainers split it)")

@@ -13,7 +13,6 @@ run on this machine (loopback).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -22,13 +21,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from harness import STAGES, SWARM, model_args, script_parser, steady_throughput, train_on_swarm  # noqa: E402
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
-from swarm_throughput import STAGES, SWARM, model_args, steady_throughput, train_on_swarm  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="a tiny model and a few steps, to check the script")
+    parser = script_parser(__doc__, "a tiny model and a few steps, to check the script")
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--steps", type=int, default=40, help="steps of each trainer")
     parser.add_argument("--batch-size", type=int, default=16, help="each trainer's batch")

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-GPT = str(ROOT / "examples" / "gpt.py")
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from raw_client import FloodingPeer, RawClient, wait_until_serving  # noqa: E402
+from harness import GPT  # noqa: E402
+from helpers.raw_client import FloodingPeer, RawClient, wait_until_serving  # noqa: E402
 from report import machine, save_data, table  # noqa: E402
 
 from lightning_swarm.launch import LocalSwarm  # noqa: E402

@@ -54,12 +54,11 @@ the runs it finished (each run is saved as it ends). `--updates synchronous` or 
 mode, `--no-plain` only the swarm (plain training measured by an earlier command).
 
 Without CUDA, `--smoke` prints that it skipped and exits 0; `--device cpu` runs the whole harness on the CPU with a
-tiny model (d_model 64, 2 blocks, batch 4 x 32, 2 + 3 batches), as tests/test_benchmarks.py does.
+tiny model (d_model 64, 2 blocks, batch 4 x 32, 2 + 3 batches), as tests/swarm/test_benchmarks_gpu.py does.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -75,15 +74,16 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from report import RESULTS, table, update_section  # noqa: E402
-from swarm_throughput import (  # noqa: E402
+from harness import (  # noqa: E402
     STAGES,
     model_args,
     plain,
+    script_parser,
     steady_call_seconds,
     steady_throughput,
     train_on_swarm,
 )
+from report import RESULTS, table, update_section  # noqa: E402
 
 OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|out of memory", re.IGNORECASE)
 MIB = 2**20
@@ -377,9 +377,8 @@ def stop_on_signal(signum: int, frame: object) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__, "a tiny model on the GPU; skips (exit 0) without CUDA")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a tiny model, to test")
-    parser.add_argument("--smoke", action="store_true", help="a tiny model on the GPU; skips (exit 0) without CUDA")
     parser.add_argument("--d-model", type=int, nargs="+", help="default: 1024 2048 4096 (cpu, smoke: 64)")
     parser.add_argument("--precision", nargs="+", default=["32-true", "bf16-mixed"])
     parser.add_argument("--updates", nargs="+", choices=["synchronous", "delayed"], default=["synchronous", "delayed"])

@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpt import Block  # noqa: E402
+from harness import script_parser  # noqa: E402
 from report import RESULTS, machine, table, update_section  # noqa: E402
 
 from lightning_swarm.server.out_of_core import (  # noqa: E402
@@ -285,9 +286,8 @@ def save(new: list[dict], out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__, "a small stage on the GPU; skips (exit 0) without CUDA")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--smoke", action="store_true", help="a small stage on the GPU; skips (exit 0) without CUDA")
     parser.add_argument("--d-model", type=int, default=2048)
     parser.add_argument("--blocks", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=4)

@@ -28,8 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import STAGES, model_args, plain, script_parser, steady_throughput, swarm  # noqa: E402
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
-from swarm_throughput import STAGES, model_args, plain, steady_throughput, swarm  # noqa: E402
 
 CODECS = {"fp32": "none", "fp16": "float16", "8-bit": "8bit"}  # label -> SWARM_COMPRESSION
 LATENCY_HOOK = Path(__file__).resolve().parent / "added_latency"
@@ -181,8 +181,7 @@ def write(rows: list[dict], p: Plan, a: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny model, few steps, one capped setting, 8-bit")
+    parser = script_parser(__doc__, "tiny model, few steps, one capped setting, 8-bit")
     parser.add_argument("--sizes", type=int, nargs="+", default=[512], help="hidden sizes (d_model)")
     parser.add_argument("--rates", type=int, nargs="+", default=[200, 50], help="bandwidth caps (Mbit/s)")
     parser.add_argument("--latency", type=float, default=50.0, help="latency added per stage request (ms)")

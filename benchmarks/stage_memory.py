@@ -16,7 +16,6 @@ On a CPU only the expected figures are printed (the allocator's are CUDA's).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -30,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from gpt import Block  # noqa: E402
+from harness import script_parser  # noqa: E402
 
 from lightning_swarm import compression, protocol  # noqa: E402
 from lightning_swarm.node import SwarmNode  # noqa: E402
@@ -40,7 +40,7 @@ MIB = 2**20
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__, "a tiny stage and 3 batches")
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--blocks", type=int, default=4, help="blocks of the stage")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -51,7 +51,6 @@ def main() -> None:
     parser.add_argument("--delayed", action="store_true", help="delayed updates (offloaded optimizer)")
     parser.add_argument("--codec", default="8bit")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--smoke", action="store_true", help="a tiny stage and 3 batches")
     parser.add_argument("--out", help="write the figures here (JSON)")
     a = parser.parse_args()
     if a.smoke:

@@ -19,7 +19,6 @@ load of this shared machine falls on all of them alike (one untimed warm-up echo
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import multiprocessing as mp
@@ -35,6 +34,7 @@ from hivemind.proto import runtime_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import script_parser  # noqa: E402
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
 
 from lightning_swarm import protocol, transport  # noqa: E402
@@ -269,8 +269,7 @@ async def _measure(echoes: dict[str, Echo], sizes: list[int], repeats: int) -> l
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="small payloads and one repeat, to check the script")
+    parser = script_parser(__doc__, "small payloads and one repeat, to check the script")
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=str(RESULTS))

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_swarm  # noqa: F401  (registers strategy="swarm")
+from lightning_swarm import RouterStats
 from lightning_swarm.callbacks import SwarmCallback
 
 
@@ -215,8 +216,7 @@ class History(SwarmCallback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
         self.times.append(time.time())
-        router = getattr(trainer.strategy, "router", None)
-        self.call_seconds.append(dict(router.stats.seconds) if router else {})
+        self.call_seconds.append(router_stats(trainer.strategy).seconds)
         self.samples += len(batch[0])
         if self.path and len(self.losses) % self.every == 0:
             self.write(trainer)
@@ -235,7 +235,7 @@ class History(SwarmCallback):
 
     def write(self, trainer: L.Trainer) -> None:
         strategy = trainer.strategy
-        router = getattr(strategy, "router", None)
+        stats = router_stats(strategy)
         summary = dict(
             steps=len(self.losses),
             samples=self.samples,
@@ -244,14 +244,14 @@ class History(SwarmCallback):
             val_losses=self.val_losses,
             times=self.times,
             stage=getattr(strategy, "served_stage", None),
-            failovers=router.stats.failovers if router else 0,
-            calls_per_peer=router.stats.chosen if router else {},
-            failed_calls_per_peer=router.stats.failed if router else {},
-            bytes_sent=router.stats.bytes_sent if router else 0,
-            direct_calls=router.stats.direct_calls if router else 0,
-            p2p_calls=router.stats.p2p_calls if router else 0,
+            failovers=stats.failovers,
+            calls_per_peer=stats.chosen,
+            failed_calls_per_peer=stats.failed,
+            bytes_sent=stats.bytes_sent,
+            direct_calls=stats.direct_calls,
+            p2p_calls=stats.p2p_calls,
             call_seconds=self.call_seconds,
-            recomputed=router.stats.recomputed if router else 0,
+            recomputed=stats.recomputed,
             stage_changes=self.stage_changes,
             peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             # gradient all-reduces that failed (this peer stepped alone), and the time from their start to failure
@@ -261,6 +261,11 @@ class History(SwarmCallback):
         with open(self.path + ".tmp", "w") as f:
             json.dump(summary, f)
         os.replace(self.path + ".tmp", self.path)
+
+
+def router_stats(strategy: object) -> RouterStats:
+    """The swarm strategy's counters of calls to the stages (plain strategies make none)."""
+    return getattr(strategy, "router_stats", RouterStats())
 
 
 def swarm_optimizers(strategy: object) -> list:

@@ -5,6 +5,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_swarm.client.routing import RouterStats
 from lightning_swarm.errors import NotServingError, StageBusyError, StageUnavailableError, SwarmRequestError
 from lightning_swarm.logs import quiet_hivemind_noise, use_swarm_log_handler
 from lightning_swarm.settings import SwarmSettings
@@ -12,6 +13,7 @@ from lightning_swarm.strategy import SwarmStrategy
 
 __version__ = "0.1.0"
 __all__ = [
+    "RouterStats",
     "SwarmSettings",
     "SwarmStrategy",
     "NotServingError",

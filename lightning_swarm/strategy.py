@@ -35,7 +35,7 @@ from lightning_swarm import checkpointing, discovery, partitioning, rebalancing,
 from lightning_swarm.callbacks import dispatch
 from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY, SwarmCheckpointIO
 from lightning_swarm.client.remote_pipeline import RemotePipeline
-from lightning_swarm.client.routing import StageRouter
+from lightning_swarm.client.routing import RouterStats, StageRouter
 from lightning_swarm.compression import Codec
 from lightning_swarm.errors import failure_line
 from lightning_swarm.events import EventQueue
@@ -426,6 +426,12 @@ class SwarmStrategy(Strategy):
     def swarm_metrics(self) -> dict[str, float]:
         """The swarm as this peer sees it, for :class:`~lightning_swarm.callbacks.SwarmMonitor`."""
         return self.host.metrics(self.optimizers[0] if self.optimizers else None) if self.host is not None else {}
+
+    @property
+    def router_stats(self) -> RouterStats:
+        """A copy of this peer's counters of its calls to the stages (calls, failovers, bytes, seconds per stage,
+        calls per peer): all zero before fit and on a peer that sends no work."""
+        return self.router.stats.copy() if self.router is not None else RouterStats()
 
     def _wrap_local_optimizer(self) -> None:
         if self.optimizers:

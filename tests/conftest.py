@@ -1,4 +1,5 @@
-"""Shared fixtures: peers are real processes on loopback, and no process may outlive the suite."""
+"""Fixtures of every test (unit/ and swarm/): peers are real processes on loopback, and no process may outlive
+the suite. What tests share besides fixtures is in helpers/."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import sys
 import time
 import uuid
 from multiprocessing import resource_tracker
-from pathlib import Path
 
 import psutil
 import pytest
+from helpers import GPT_SCRIPT, PEER_ENV, ROOT
 
 # before anything imports hivemind: its default, file_system sharing, starts a torch_shm_manager that outlives tests
 os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
@@ -19,17 +20,7 @@ os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 SESSION_MARK = ("LIGHTNING_SWARM_TEST_SESSION", uuid.uuid4().hex)
 os.environ[SESSION_MARK[0]] = SESSION_MARK[1]
 
-ROOT = Path(__file__).resolve().parents[1]
-GPT_SCRIPT = str(ROOT / "examples" / "gpt.py")
 sys.path.insert(0, str(ROOT / "examples"))
-
-# settings that keep test swarms fast and quiet; every timeout stays finite
-PEER_ENV = {
-    "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_descriptor",
-    "HIVEMIND_LOGLEVEL": "WARNING",
-    "PYTHONWARNINGS": "ignore",
-}
-SMALL_GPT = ["--d-model", "32", "--n-layer", "2", "--n-head", "2", "--block-size", "32", "--batch-size", "8"]
 
 
 def p2pd_processes() -> set[int]:
@@ -76,25 +67,9 @@ def swarm(tmp_path, request):
                 print(f"---- {peer.name} exited {peer.process.returncode}:\n{peer.log()[-4000:]}")
 
 
-class StageOptimizerStub:
-    """What a stage server asks of its optimizer, doing nothing: tests override the parts they watch."""
-
-    local_epoch = 0
-
-    def step(self, batch_size: int) -> None:
-        pass
-
-    def zero_grad(self) -> None:
-        pass
-
-    def follow_swarm(self) -> None:
-        pass
-
-    def apply_finished_update(self, wait: bool = False) -> None:
-        pass
-
-    def progress(self) -> dict:
-        return {}
-
-    def state_dict(self) -> dict:
-        return {}
+@pytest.fixture
+def no_swarm_env(monkeypatch):
+    """Tests set the SWARM_* variables they mean; none may leak in from the shell."""
+    for name in list(os.environ):
+        if name.startswith("SWARM_"):
+            monkeypatch.delenv(name)

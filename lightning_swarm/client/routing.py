@@ -27,7 +27,7 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -111,6 +111,8 @@ class PeerLoad:
 
 @dataclass
 class RouterStats:
+    """A router's counters of its calls to the stages, since it started."""
+
     calls: int = 0
     direct_calls: int = 0  # calls answered over a direct connection (transport.py)
     p2p_calls: int = 0  # calls answered over libp2p (the peer has no direct address, or it was unreachable)
@@ -128,6 +130,10 @@ class RouterStats:
         compression), rather than writing the fields."""
         for name, value in counts.items():
             setattr(self, name, getattr(self, name) + value)
+
+    def copy(self) -> RouterStats:
+        """These counters as they are now, dicts included, for a reader on another thread than the router's."""
+        return replace(self, seconds=dict(self.seconds), chosen=dict(self.chosen), failed=dict(self.failed))
 
 
 class StageRouter:

@@ -13,8 +13,7 @@ import time
 
 import psutil
 import pytest
-from conftest import SMALL_GPT
-from test_swarm import FAST, history
+from helpers import EVENT_PEER, FAST, SMALL_GPT, history
 
 from lightning_swarm.launch import LocalSwarm
 
@@ -157,8 +156,6 @@ def test_a_stage_that_lost_all_its_peers_is_restored_from_the_latest_checkpoint(
     """A trainer saves checkpoints (ModelCheckpoint) while the only peer of stage 1 serves; that peer is killed;
     the peer that serves stage 1 next finds no live peer of it and restores it from the swarm's latest checkpoint,
     so training goes on from there, not from scratch."""
-    from test_events import EVENT_PEER
-
     out = tmp_path / "recorder"
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "8", "SWARM_REBALANCE_PERIOD": "0"}
     serve = {**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"}

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from helpers.stage import ask, blocks
 from hivemind.proto import runtime_pb2
 from torch import nn
 
@@ -15,21 +16,6 @@ from lightning_swarm import compression, protocol
 from lightning_swarm.errors import ActivationsLostError
 from lightning_swarm.server.kept_activations import Kept, KeptActivations
 from lightning_swarm.server.stage_server import StageServer
-
-
-def blocks() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)))
-
-
-def ask(server: StageServer, kind: str, tensors: list[torch.Tensor], **metadata: str) -> torch.Tensor:
-    request = runtime_pb2.ExpertRequest(
-        uid=server.uid,
-        tensors=[compression.serialize(t, "none") for t in tensors],
-        metadata=protocol.encode_metadata({"codec": "none", **metadata}),
-    )
-    response = asyncio.run(server.answer(kind, request))
-    return compression.deserialize(response.tensors[0])
 
 
 def plain_gradients(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:

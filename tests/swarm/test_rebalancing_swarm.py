@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 import time
 
-from raw_client import RawClient, bytes_of, wait_until_serving
-from test_swarm import FAST, history
+from helpers import FAST, history
+from helpers.raw_client import RawClient, bytes_of, wait_until_serving
 
 from lightning_swarm import discovery
 from lightning_swarm.discovery import PeerState

@@ -10,7 +10,7 @@ import textwrap
 import time
 
 import psutil
-from conftest import ROOT
+from helpers import ROOT
 
 PEER = """
 import os, sys, time

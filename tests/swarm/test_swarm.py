@@ -2,51 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import math
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from conftest import GPT_SCRIPT, SMALL_GPT
-from raw_client import RawClient, bytes_of, wait_until_serving, wire
+from helpers import FAST, SMALL_GPT, history, plain_training
+from helpers.raw_client import RawClient, bytes_of, wait_until_serving, wire
 
 from lightning_swarm import protocol
 from lightning_swarm.node import SwarmNode
 
-FAST = {  # short timeouts so that a test swarm reacts within seconds
-    "SWARM_MATCHMAKING_TIME": "1.0",
-    "SWARM_AVERAGING_TIMEOUT": "4.0",
-    "SWARM_UPDATE_PERIOD": "1.0",
-    "SWARM_REQUEST_TIMEOUT": "20.0",
-    "SWARM_BAN_TIMEOUT": "30.0",
-    "SWARM_JOIN_TIMEOUT": "120.0",
-    "SWARM_LINGER": "120.0",
-}
-
-
 LOSS_TOLERANCE_8BIT = 0.02  # 12x the largest difference measured over 10 steps
-
-
-def history(path) -> dict:
-    with open(path) as f:
-        return json.load(f)
-
-
-def plain_training(args: list[str], tmp_path) -> tuple[dict, dict]:
-    """examples/gpt.py with the same arguments, trained in one process without a swarm: (state dict, history)."""
-    out = tmp_path / "plain"
-    subprocess.run(
-        [sys.executable, GPT_SCRIPT, "--single", *args, "--save", f"{out}.ckpt", "--history", f"{out}.json"],
-        check=True,
-        timeout=300,
-        capture_output=True,
-        start_new_session=True,
-    )
-    return torch.load(f"{out}.ckpt", weights_only=False)["state_dict"], history(f"{out}.json")
 
 
 def initial_gpt_state() -> dict:

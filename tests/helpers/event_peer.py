@@ -1,7 +1,7 @@
 """A peer of the GPT example for tests: it trains on the swarm (serving a stage too) until SIGTERM, and records every
 swarm event it receives, beside SwarmMonitor, a CSV logger, ModelCheckpoint and EarlyStopping.
 
-    python tests/event_peer.py OUT_DIR     # configured by SWARM_* variables, like examples/gpt.py
+    python tests/helpers/event_peer.py OUT_DIR     # configured by SWARM_* variables, like examples/gpt.py
 """
 
 import dataclasses
@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import GPT, CharDataModule  # noqa: E402
 
 from lightning_swarm.callbacks import SwarmCallback, SwarmMonitor  # noqa: E402

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import StageOptimizerStub
+from helpers.stage import StageOptimizerStub
 from hivemind.proto import runtime_pb2
 from torch import nn
 

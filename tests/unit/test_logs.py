@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 

@@ -6,8 +6,8 @@ import csv
 import math
 import time
 
-import test_swarm
-from conftest import PEER_ENV, ROOT
+import helpers
+from helpers import PEER_ENV, ROOT
 
 from lightning_swarm import cli
 from lightning_swarm.launch import LocalSwarm
@@ -15,7 +15,7 @@ from lightning_swarm.launch import LocalSwarm
 VISION_SCRIPT = str(ROOT / "examples" / "vision.py")
 SMALL_CNN = ["--channels", "16", "--n-blocks", "2", "--batch-size", "16", "--lr", "3e-3"]
 # each peer keeps its stage: the test checks what each logged about it
-FAST = {**test_swarm.FAST, "SWARM_LINGER": "60.0", "SWARM_REBALANCE_PERIOD": "0"}
+FAST = {**helpers.FAST, "SWARM_LINGER": "60.0", "SWARM_REBALANCE_PERIOD": "0"}
 
 
 def train_losses(log_dir) -> list[float]:

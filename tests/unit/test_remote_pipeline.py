@@ -1,0 +1,70 @@
+"""The remote pipeline: a batch's microbatches travel the stages concurrently, and each reply is decoded once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from lightning_swarm import compression
+from lightning_swarm.client.remote_pipeline import RemotePipeline
+from lightning_swarm.client.routing import RouterStats
+
+
+class EchoRouter:
+    """Stands in for a StageRouter: every stage answers its input back after a while, checked as the router checks
+    replies; records the calls' batch sizes and how many were in flight at once."""
+
+    num_stages = 2
+
+    def __init__(self) -> None:
+        self.stats, self.lock, self.active, self.most, self.batches = RouterStats(), threading.Lock(), 0, 0, []
+
+    def call(self, stage, method, messages, metadata, batch, prefer=None, check=None):
+        with self.lock:
+            self.active += 1
+            self.most = max(self.most, self.active)
+            self.batches.append(batch)
+        time.sleep(0.05)
+        with self.lock:
+            self.active -= 1
+        check([messages[-1]])
+        return [messages[-1]], "peer"
+
+    def call_peer(self, stage, peer, method, messages, metadata, batch, check):
+        return self.call(stage, method, messages, metadata, batch, check=check)[0]
+
+
+def test_auto_microbatches_are_resolved_per_batch_and_travel_concurrently():
+    """One pipeline, batches of different sizes: each is split by the rule, all its microbatches in flight at once."""
+    router = EchoRouter()
+    pipeline = RemotePipeline(router, codec="none")
+    try:
+        for batch_size, count in [(8, 4), (6, 3), (5, 1)]:
+            router.batches, router.most = [], 0
+            x = torch.randn(batch_size, 3)
+            with torch.no_grad():
+                assert torch.equal(pipeline(x), x)
+            assert router.batches == [batch_size // count] * count * router.num_stages
+            assert router.most == count
+    finally:
+        pipeline.close()
+
+
+def test_the_pipeline_decodes_each_reply_once(monkeypatch):
+    """Forward and backward through 2 stages, 4 microbatches: each reply is decoded by its check, and the last one of
+    each microbatch's route is handed back as the check decoded it, not decoded again."""
+    decoded = []
+    deserialize = compression.deserialize
+    monkeypatch.setattr(compression, "deserialize", lambda *a, **k: decoded.append(1) or deserialize(*a, **k))
+    router = EchoRouter()
+    pipeline = RemotePipeline(router, codec="8bit", microbatches=4)
+    try:
+        x = torch.randn(8, 3, requires_grad=True)
+        y = pipeline(x)
+        assert len(decoded) == 4 * router.num_stages and torch.allclose(y, x, atol=0.05)
+        y.sum().backward()
+        assert len(decoded) == 2 * 4 * router.num_stages and torch.allclose(x.grad, torch.ones_like(x), atol=0.05)
+    finally:
+        pipeline.close()

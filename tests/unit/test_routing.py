@@ -1,0 +1,42 @@
+"""Choosing a peer: stochastic wiring shares work by throughput and load."""
+
+from __future__ import annotations
+
+import time
+
+from lightning_swarm.client.routing import PeerLoad, StageRouter
+from lightning_swarm.discovery import PeerRecord, PeerState
+
+
+def _router_with(loads: dict) -> StageRouter:
+    """A router over one stage whose peer loads are given (no network: the DHT is never refreshed)."""
+    router = StageRouter(node=None, run_id="unit", num_stages=1, refresh_period=float("inf"))
+    router._peers[0] = loads
+    return router
+
+
+def _shares(router, draws: int = 20000) -> dict:
+    counts: dict = {}
+    for _ in range(draws):
+        peer = router.choose(0, batch=8)
+        counts[peer] = counts.get(peer, 0) + 1
+    return {peer: n / draws for peer, n in counts.items()}
+
+
+def test_stochastic_wiring_shares_work_by_throughput_and_load():
+    def load(throughput=0.0, **kwargs) -> PeerLoad:
+        record = PeerRecord("p", 0, PeerState.SERVING, throughput, kwargs.pop("queue", 0))
+        return PeerLoad(record, **kwargs)
+
+    shares = _shares(_router_with({"fast": load(300.0), "slow": load(100.0)}))
+    assert abs(shares["fast"] - 0.75) < 0.02  # idle peers: in proportion to throughput
+
+    shares = _shares(_router_with({"a": load(100.0, in_flight=24), "b": load(100.0)}))
+    assert abs(shares["b"] - 0.8) < 0.02  # 8 samples to do on b, 32 on a: b is 4x as likely
+
+    shares = _shares(_router_with({"known": load(100.0), "new": load(0.0)}))
+    assert abs(shares["new"] - 0.5) < 0.02  # a newcomer is assumed as fast as the fastest, so it gets tried
+
+    banned = load(1000.0, banned_until=time.monotonic() + 60)
+    assert _shares(_router_with({"banned": banned, "ok": load(1.0)}), draws=100) == {"ok": 1.0}
+    assert _router_with({"banned": banned}).choose(0, batch=8) is None

@@ -1,0 +1,100 @@
+"""A stage server in-process refuses inputs off its signature, too many samples, and outsiders' streams."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from unittest.mock import patch
+
+import pytest
+import torch
+from helpers.raw_client import NONE_META, wire
+from helpers.stage import ask, blocks
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import runtime_pb2
+
+from lightning_swarm import compression, protocol
+from lightning_swarm.errors import PeerNotAllowedError, SwarmRequestError
+from lightning_swarm.security import AUTH_FIELD, AccessPolicy, create_identity
+from lightning_swarm.server.stage_server import StageServer
+
+CPU = torch.device("cpu")
+
+
+def test_inputs_off_the_stage_signature_or_claiming_too_many_samples_are_refused():
+    """A [N, 1, C] tensor passes a stage of [N, T, C] blocks and would count as N samples: the first forward fixes
+    the stage's input signature, and inputs off it, or claiming more than max_request_samples, are refused before
+    they are decoded, the stage untouched. A declared signature may leave a dimension free."""
+    server = StageServer("run", 0, blocks(), CPU, max_request_samples=16)
+    declared = StageServer("run", 0, blocks(), CPU, input_shape=(None, 16))
+    try:
+        x = torch.randn(4, 8, 16)
+        assert ask(server, "forward", [x]).shape == x.shape  # learns [batch, 8, 16]
+        params = [p.detach().clone() for p in server.params]
+        signature = re.escape("does not match stage 0's input signature [batch, 8, 16]")
+        for wrong in (torch.randn(12, 1, 16), torch.randn(4, 16), torch.randn(4, 8, 1, 16), torch.randn(4, 4, 16)):
+            for kind, tensors in (("forward", [wrong]), ("backward", [wrong, wrong])):
+                with pytest.raises(SwarmRequestError, match=signature):
+                    ask(server, kind, tensors)
+        too_many = torch.randn(17, 8, 16)
+        for kind, tensors in (("forward", [too_many]), ("backward", [x, too_many]), ("backward", [too_many] * 2)):
+            with pytest.raises(SwarmRequestError, match="at most 16 samples .*claims 17"):
+                ask(server, kind, tensors)
+
+        with pytest.raises(SwarmRequestError, match="without a batch dimension"):
+            ask(server, "forward", [torch.tensor(1.0)])
+        assert server.backward_samples == 0 and len(server.kept) == 0 and server.info()["queued_samples"] == 0
+        assert all(torch.equal(p, q) for p, q in zip(server.params, params)) and all(p.grad is None for p in params)
+        assert ask(server, "backward", [x, torch.ones_like(x)]).shape == x.shape and server.backward_samples == 4
+
+        assert ask(declared, "forward", [torch.randn(2, 5, 16)]).shape == (2, 5, 16)
+        assert ask(declared, "forward", [torch.randn(2, 7, 16)]).shape == (2, 7, 16)  # the free dimension
+        with pytest.raises(SwarmRequestError, match=re.escape("input signature [batch, *, 16]")):
+            ask(declared, "forward", [torch.randn(2, 5, 15)])
+    finally:
+        server.shutdown()
+        declared.shutdown()
+
+
+def test_an_outsiders_stream_is_refused_on_its_first_message(tmp_path):
+    """With a secret (and no allow-list), a streamed request without a valid token is refused on its first message:
+    the server reads nothing more of it (it used to read up to twice the size cap before checking the token). A
+    member's stream, token on its first message, is served."""
+    policy = AccessPolicy.create(secret="s3cret")
+    member, server_id = (PeerID.from_base58(create_identity(str(tmp_path / n))) for n in ("member", "server"))
+    outsider = PeerID.from_base58(create_identity(str(tmp_path / "outsider")))
+    server = StageServer("run", 0, blocks(), CPU, policy=policy, max_request_bytes=2**20)
+    x = torch.randn(64, 8, 16)  # 32 KiB, sent in 4 KiB chunks
+    pulled = []
+
+    def stream(caller: PeerID, metadata: dict, copies: int = 1):
+        async def requests():
+            for part in list(protocol.chunks([wire(x)])) * copies:
+                pulled.append(part)
+                yield runtime_pb2.ExpertRequest(
+                    uid=server.uid, tensors=[part], metadata=protocol.encode_metadata(metadata)
+                )
+
+        async def answer() -> list:
+            context = P2PContext("run::StageServer.rpc_forward_stream", server_id, caller)
+            return [r async for r in server.rpc_forward_stream(requests(), context)]
+
+        return answer()
+
+    try:
+        with patch.object(protocol, "CHUNK_BYTES", 4096):
+            forged = {**NONE_META, AUTH_FIELD: AccessPolicy.create(secret="guess").token("run", outsider, server_id)}
+            for metadata in (NONE_META, forged):
+                pulled.clear()
+                with pytest.raises(PeerNotAllowedError, match="did not prove the swarm's secret"):
+                    asyncio.run(stream(outsider, metadata, copies=100))  # 3.2 MB: 3 times the size cap
+                assert len(pulled) == 1
+            signed = policy.sign_metadata(NONE_META, "run", member, server_id)
+            pulled.clear()
+            reply = asyncio.run(stream(member, signed))
+            assert (
+                len(pulled) == 8
+                and compression.deserialize(protocol.combine([r.tensors[0] for r in reply])[0]).shape == x.shape
+            )
+    finally:
+        server.shutdown()

@@ -1,0 +1,117 @@
+"""SwarmStrategy in-process: registration, its arguments (precedence over the environment, refusals, defaults read
+from the run), and the router's counters it hands out."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+import lightning_swarm
+from lightning_swarm.client.routing import RouterStats
+from lightning_swarm.optimizer import train_batch_size
+from lightning_swarm.strategy import SwarmStrategy
+
+
+def test_swarm_string_resolves_to_swarm_strategy(monkeypatch):
+    monkeypatch.setenv("SWARM_RUN_ID", "envrun")
+    monkeypatch.setenv("SWARM_INITIAL_PEERS", "/ip4/127.0.0.1/tcp/1/p2p/A, /ip4/127.0.0.1/tcp/2/p2p/B")
+    monkeypatch.setenv("SWARM_NUM_STAGES", "3")
+    monkeypatch.setenv("SWARM_COMPRESSION", "float16")
+    trainer = L.Trainer(strategy="swarm", accelerator="cpu", logger=False, enable_checkpointing=False)
+    strategy = trainer.strategy
+    assert isinstance(strategy, lightning_swarm.SwarmStrategy)
+    assert strategy.run_id == "envrun" and strategy.num_stages == 3 and strategy.compression == "float16"
+    assert strategy.initial_peers == ["/ip4/127.0.0.1/tcp/1/p2p/A", "/ip4/127.0.0.1/tcp/2/p2p/B"]
+    assert strategy.node is None, "the constructor must not start the network"
+
+
+def test_arguments_win_over_environment(monkeypatch):
+    monkeypatch.setenv("SWARM_NUM_STAGES", "3")
+    assert SwarmStrategy(num_stages=4).num_stages == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(run_id="a.b"), "run_id"),
+        (dict(num_stages=0), "num_stages"),
+        (dict(microbatches=0), "microbatches"),
+        (dict(microbatches="some"), "microbatches"),
+        (dict(delayed_updates="maybe"), "boolean"),
+        (dict(role="boss"), "role"),
+        (dict(num_stages=2, stage=2), "stage=2"),
+        (dict(compression="4bit"), "compression"),
+    ],
+)
+def test_bad_arguments_are_refused_clearly(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SwarmStrategy(**kwargs)
+
+
+def test_microbatches_default_to_auto_from_arguments_or_environment(monkeypatch):
+    assert SwarmStrategy().microbatches == "auto"
+    assert SwarmStrategy(microbatches=3).microbatches == 3
+    monkeypatch.setenv("SWARM_MICROBATCHES", " Auto ")
+    assert SwarmStrategy().microbatches == "auto"
+    monkeypatch.setenv("SWARM_MICROBATCHES", "5")
+    assert SwarmStrategy().microbatches == 5 and SwarmStrategy(microbatches="auto").microbatches == "auto"
+    for bad in ("0", "many", "-2"):
+        monkeypatch.setenv("SWARM_MICROBATCHES", bad)
+        with pytest.raises(ValueError, match="microbatches must be 'auto' or at least 1"):
+            SwarmStrategy()
+
+
+class _Regression(L.LightningModule):
+    def __init__(self, loader_batch_size: int) -> None:
+        super().__init__()
+        self.layer, self.loader_batch_size = nn.Linear(2, 1), loader_batch_size
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(12, 2))
+        return torch.utils.data.DataLoader(data, batch_size=self.loader_batch_size)
+
+
+class _BatchSizeSeen(L.Callback):
+    def setup(self, trainer, pl_module, stage):
+        self.seen = train_batch_size(trainer)
+
+
+@pytest.mark.parametrize("given", ["module", "fit", "datamodule"])
+def test_target_batch_size_defaults_to_the_train_dataloaders_batch_size(given):
+    """Without target_batch_size, a peer starts from its batch size, read (when the strategy sets up) from its
+    datamodule's ``batch_size`` or else from its train DataLoader, however ``fit`` got it."""
+    module, seen = _Regression(loader_batch_size=3), _BatchSizeSeen()
+    trainer = L.Trainer(max_steps=1, callbacks=[seen], logger=False, enable_checkpointing=False, barebones=True)
+    if given == "module":
+        trainer.fit(module)
+    elif given == "fit":
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(torch.zeros(8, 2), batch_size=5))
+    else:
+        datamodule = L.LightningDataModule.from_datasets(
+            torch.utils.data.TensorDataset(torch.zeros(8, 2)), batch_size=6
+        )
+        trainer.fit(module, datamodule=datamodule)
+    assert seen.seen == {"module": 3, "fit": 5, "datamodule": 6}[given]
+
+
+def test_router_stats_are_a_copy_of_the_routers_counters():
+    """Callbacks read the router's counters through the strategy, as a copy the router's threads do not change."""
+    strategy = SwarmStrategy()
+    assert strategy.router_stats == RouterStats()  # before fit: no router
+    strategy.router = SimpleNamespace(stats=RouterStats(calls=3, failovers=1, seconds={0: 0.5}, chosen={"a": 3}))
+    stats = strategy.router_stats
+    assert stats == strategy.router.stats
+    strategy.router.stats.add(calls=1)
+    strategy.router.stats.chosen["a"] += 1
+    strategy.router.stats.seconds[1] = 0.2
+    assert (stats.calls, stats.chosen, stats.seconds) == (3, {"a": 3}, {0: 0.5})
