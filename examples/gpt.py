@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_swarm  # noqa: F401  (registers strategy="swarm")
-from lightning_swarm import RouterStats
+from lightning_swarm import RouterStats, SwarmStrategy
 from lightning_swarm.callbacks import SwarmCallback
 
 
@@ -236,6 +236,7 @@ class History(SwarmCallback):
     def write(self, trainer: L.Trainer) -> None:
         strategy = trainer.strategy
         stats = router_stats(strategy)
+        metrics = strategy.swarm_metrics() if isinstance(strategy, SwarmStrategy) else {}
         summary = dict(
             steps=len(self.losses),
             samples=self.samples,
@@ -255,8 +256,8 @@ class History(SwarmCallback):
             stage_changes=self.stage_changes,
             peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             # gradient all-reduces that failed (this peer stepped alone), and the time from their start to failure
-            failed_rounds=sum(getattr(o, "failed_rounds", 0) for o in swarm_optimizers(strategy)),
-            failed_round_seconds=sum(getattr(o, "failed_round_seconds", 0.0) for o in swarm_optimizers(strategy)),
+            failed_rounds=int(metrics.get("failed_rounds", 0)),
+            failed_round_seconds=metrics.get("failed_round_seconds", 0.0),
         )
         with open(self.path + ".tmp", "w") as f:
             json.dump(summary, f)
@@ -266,11 +267,6 @@ class History(SwarmCallback):
 def router_stats(strategy: object) -> RouterStats:
     """The swarm strategy's counters of calls to the stages (plain strategies make none)."""
     return getattr(strategy, "router_stats", RouterStats())
-
-
-def swarm_optimizers(strategy: object) -> list:
-    """The peer's swarm optimizers: its stage's and its local one (plain strategies have neither)."""
-    return [o for o in (getattr(strategy, "_stage_optimizer", None), *getattr(strategy, "optimizers", [])) if o]
 
 
 def report_cuda_memory(directory: str, role: str, every: float = 1.0) -> None:

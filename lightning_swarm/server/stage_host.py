@@ -331,7 +331,8 @@ class StageHost:
 
     def metrics(self, local_optimizer: Optional[Any] = None) -> dict[str, float]:
         """The swarm as this peer sees it: its stage, the peers, the step (of its stage, else of its local
-        optimizer), its queue, its traffic, and each stage's throughput and peers."""
+        optimizer), its queue, its traffic, its failed all-reduce rounds (of its stage's optimizer since it serves
+        that stage, and of its local one) with their time, and each stage's throughput and peers."""
         view = self._watcher.latest if self._watcher is not None and self._watcher.latest is not None else []
         serving = [[r for r in stage.values() if r.state == PeerState.SERVING] for stage in view]
         peers = {r.peer_id for stage in serving for r in stage} | set(self._watcher.drivers if self._watcher else ())
@@ -348,6 +349,9 @@ class StageHost:
             "failovers": float(stats.failovers if stats else 0),
             "rebalances": float(self.rebalances),
         }
+        optimizers = [o for o in (self.stage.optimizer if self.stage is not None else None, local_optimizer) if o]
+        metrics["failed_rounds"] = float(sum(getattr(o, "failed_rounds", 0) for o in optimizers))
+        metrics["failed_round_seconds"] = float(sum(getattr(o, "failed_round_seconds", 0.0) for o in optimizers))
         for k, stage in enumerate(serving):
             metrics[f"stage{k}_throughput"] = float(sum(r.throughput for r in stage))
             metrics[f"stage{k}_peers"] = float(len(stage))

@@ -115,6 +115,7 @@ def test_callbacks_receive_every_event_type(swarm, tmp_path):
     logged = [r for r in rows if r.get("swarm/peers")]
     assert logged and {"swarm/stage", "swarm/step", "swarm/stage0_throughput", "swarm/stage1_peers"} <= set(rows[0])
     assert {"swarm/bytes_sent", "swarm/compression_ratio", "swarm/failovers", "swarm/rebalances"} <= set(rows[0])
+    assert {"swarm/failed_rounds", "swarm/failed_round_seconds"} <= set(rows[0])
     assert float(logged[-1]["swarm/failovers"]) >= 1 and float(logged[-1]["swarm/rebalances"]) >= 1
     assert max(float(r["swarm/peers"]) for r in logged) >= 3
     assert 3.5 < max(float(r["swarm/compression_ratio"]) for r in logged) <= 4.0  # 8-bit on the wire
