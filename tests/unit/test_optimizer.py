@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_swarm.node import SwarmNode
-from lightning_swarm.optimizer import swarm_optimizer
+from lightning_swarm.optimizer import StepPace, swarm_optimizer
 
 
 def _optimizer(node: SwarmNode, seed: int, prefix: str = "download_test", target: int = 8, averaging_timeout=5.0):
@@ -115,3 +115,17 @@ def test_a_round_whose_partner_never_comes_costs_its_matchmaking_time_not_the_av
         if optimizer is not None:
             optimizer.shutdown()
         node.shutdown()
+
+
+def test_a_swarm_stepping_about_as_often_as_a_round_assembles_is_told_to_raise_its_target():
+    """Three steps in a row closer together than two matchmaking times: one warning naming the optimizer, the pace
+    and the target batch to raise, then none for a while; steps further apart, or a slow one between, warn nothing."""
+    pace = StepPace("run_stage1", matchmaking_time=1.0, target_batch_size=32)
+    assert [pace.tick(t) for t in (0.0, 1.5, 3.0)] == [None, None, None]
+    warning = pace.tick(4.5)
+    assert "run_stage1 steps every 1.5s" in warning and "target_batch_size (now 32)" in warning, warning
+    assert pace.tick(6.0) is None  # rate-limited
+    slow = StepPace("s", 1.0, 32)
+    assert [slow.tick(t) for t in (0.0, 2.5, 5.0, 7.5, 10.0)] == [None] * 5
+    interrupted = StepPace("s", 1.0, 32)
+    assert [interrupted.tick(t) for t in (0.0, 1.0, 2.0, 5.0, 6.0, 7.0)] == [None] * 6
