@@ -266,7 +266,7 @@ class History(SwarmCallback):
 
 def router_stats(strategy: object) -> RouterStats:
     """The swarm strategy's counters of calls to the stages (plain strategies make none)."""
-    return getattr(strategy, "router_stats", RouterStats())
+    return strategy.router_stats if isinstance(strategy, SwarmStrategy) else RouterStats()
 
 
 def report_cuda_memory(directory: str, role: str, every: float = 1.0) -> None:

@@ -252,9 +252,9 @@ def test_a_flooding_trainer_does_not_starve_another(swarm, tmp_path):
     def train(name: str) -> dict:
         record = tmp_path / f"{name}.json"
         args = [*SMALL_GPT, "--max-steps", "40", "--history", str(record)]
-        # 2 microbatches in flight: within its share of the queue's 8 places (a trainer that sends more than its
-        # share is answered busy for the rest, as the flooder is)
-        swarm.start(name, args, env={**server_env, "SWARM_ROLE": "drive", "SWARM_STAGE": "", "SWARM_MICROBATCHES": "2"})
+        # 4 microbatches in flight: its full share of the queue's 8 places, no more (a trainer that sends more than
+        # its share is answered busy for the rest, as the flooder is)
+        swarm.start(name, args, env={**server_env, "SWARM_ROLE": "drive", "SWARM_STAGE": "", "SWARM_MICROBATCHES": "4"})
         assert swarm.wait(name, timeout=300) == 0, swarm.peers[name].log()[-3000:]
         return json.loads(record.read_text())
 
