@@ -15,6 +15,9 @@ The swarm trains as fast as its slowest stage, whose capacity is the summed thro
 4. Just before it moves, the chosen peer plans the same round again from records read afresh, and moves only if
    that plan still moves it: peers that planned a moment apart may have read throughputs that differ enough to
    choose two different peers of a stage, and the one that moves second then sees the first one gone.
+5. Peers that confirmed a moment apart, each before the other's move showed in the records, are caught by a claim:
+   the mover announces itself at its new stage, waits for claims made at the same time to arrive, and only the
+   first of the peers leaving the same stage (:func:`first_mover`) goes; the others withdraw their claims and stay.
 
 Every peer computes the plan from the same records with the same tie-breaks (peer ids hashed with the round
 number), so peers agree on who moves without a coordinator, and only the chosen peers move. A peer that moved,
@@ -183,6 +186,20 @@ def spread_joiners(swarm: list[dict[str, PeerRecord]], peer_id: str, stage: int)
     return empty[surplus.index(peer_id)] if peer_id in surplus[: len(empty)] else stage
 
 
+def first_mover(swarm: list[dict[str, PeerRecord]], peer_id: str, from_stage: int) -> bool:
+    """Whether ``peer_id``, about to leave ``from_stage``, is the one peer that leaves it now among all that claimed
+    a move out of it (still serving there, already joining another stage), in an order every peer computes alike."""
+    joining_elsewhere = {
+        r.peer_id
+        for k, stage in enumerate(swarm)
+        if k != from_stage
+        for r in stage.values()
+        if r.state == PeerState.JOINING
+    }
+    movers = {p for p, r in swarm[from_stage].items() if r.state == PeerState.SERVING and p in joining_elsewhere}
+    return min(movers | {peer_id}, key=lambda p: _tiebreak(p, 0)) == peer_id
+
+
 def _present(swarm: list[dict[str, PeerRecord]]) -> list[PeerRecord]:
     return [r for r in current_records(swarm).values() if r.stage is not None]
 
@@ -273,13 +290,7 @@ class Rebalancer(PeriodicThread):
             return None  # cooling down, unless a stage has no peer: that one is refilled at once
         move = plan.move_of(self.peer_id)
         if move is not None:
-            log.warning(
-                "Rebalancing: moving from stage %d to stage %d (swarm throughput %.1f -> %.1f samples/s planned)",
-                move.from_stage,
-                move.to_stage,
-                plan.current,
-                plan.planned,
-            )
+            log.info("Rebalancing: chosen to move from stage %d to stage %d", move.from_stage, move.to_stage)
             self.request_move(move, plan)
         return move
 

@@ -31,7 +31,7 @@ from lightning_swarm.logs import RateLimit
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.optimizer import SwarmOptimizer
 from lightning_swarm.partitioning import StageSpan
-from lightning_swarm.rebalancing import Move, Plan, Rebalancer
+from lightning_swarm.rebalancing import JOIN_SETTLE, Move, Plan, Rebalancer, first_mover
 from lightning_swarm.server.stage_server import StageServer
 from lightning_swarm.settings import SwarmSettings
 from lightning_swarm.transport import DirectServer
@@ -390,9 +390,14 @@ class StageHost:
             return
         self._rebalancer.paused.set()
         try:
-            # a move, not a departure: the record lasts until the new stage's server announces it
-            self._announcer.announce(
-                self.record(PeerState.JOINING, stage=move.to_stage), ttl=2 * settings.update_period + LEAVE_GRACE
+            if not self._claim(move):
+                return
+            log.warning(
+                "Rebalancing: moving from stage %d to stage %d (swarm throughput %.1f -> %.1f samples/s planned)",
+                move.from_stage,
+                move.to_stage,
+                plan.current,
+                plan.planned,
             )
             self.leave()
             self.stage.module.to("meta")
@@ -403,6 +408,27 @@ class StageHost:
         self.rebalances += 1
         reason = f"stage {move.to_stage} is the bottleneck ({plan.current:.1f} samples/s swarm throughput)"
         self.events.emit(StageChanged(self.peer_id, move.from_stage, move.to_stage, reason, plan.gain))
+
+    def _claim(self, move: Move) -> bool:
+        """Announce this peer at ``move.to_stage`` (joining: a move, not a departure, so the record lasts until the
+        new stage's server announces it), let the claims of peers that confirmed a moment apart arrive, and go only
+        if this peer is the first to leave its stage (:func:`~lightning_swarm.rebalancing.first_mover`); otherwise
+        withdraw the claim and keep serving."""
+        settings = self.settings
+        ttl = 2 * settings.update_period + LEAVE_GRACE
+        self._announcer.announce(self.record(PeerState.JOINING, stage=move.to_stage), ttl=ttl)
+        time.sleep(JOIN_SETTLE)
+        try:
+            swarm = discovery.fetch_swarm(self.node, settings.run_id, settings.num_stages)
+            if first_mover(swarm, self.peer_id, move.from_stage):
+                return True
+            why = f"another peer leaves stage {move.from_stage} in this round"
+        except Exception as e:
+            why = f"could not read the swarm's records ({e!r})"
+        log.warning("Not moving to stage %d: %s", move.to_stage, why)
+        self._announcer.announce(self.record(PeerState.LEAVING, stage=move.to_stage), ttl=ttl)
+        self._announcer.announce()
+        return False
 
     # ---- leaving ----------------------------------------------------------------------------------------------------
 

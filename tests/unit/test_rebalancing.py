@@ -230,3 +230,19 @@ def test_a_stage_without_peers_is_refilled_without_waiting_for_the_cooldown():
     swarm = records(allocation, dict.fromkeys(allocation, 0.0), 2)
     moves = [Rebalancer(peer, 60.0, lambda: swarm, lambda move, plan: None).tick(7) for peer in allocation]
     assert [m.to_stage for m in moves if m is not None] == [1]
+
+
+def test_of_peers_that_claimed_moves_out_of_one_stage_at_once_only_one_goes():
+    """x and y both confirmed a move out of stage 0 before either's claim showed in the records (each still serves
+    stage 0 and joins stage 2). After settling each sees both claims, and exactly one of them goes, whichever
+    peer computes it; a serving peer that claimed nothing, or a claim out of another stage, does not count."""
+    swarm = records({"x": 0, "y": 0, "z": 0, "w": 1}, dict.fromkeys("xyzw", 10.0), 3)
+    for peer in "xy":
+        swarm[2][peer] = PeerRecord(peer, 2, PeerState.JOINING, 0.0, 0)
+    swarm[2]["w"] = PeerRecord("w", 2, PeerState.JOINING, 0.0, 0)
+    goes = [peer for peer in "xy" if rebalancing.first_mover(swarm, peer, 0)]
+    assert len(goes) == 1
+    stays = "y" if goes == ["x"] else "x"
+    del swarm[2][stays]  # the one that stays withdrew its claim: the other still goes
+    assert rebalancing.first_mover(swarm, goes[0], 0)
+    assert rebalancing.first_mover(swarm, "w", 1)  # nobody else leaves stage 1
