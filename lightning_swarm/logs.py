@@ -53,7 +53,8 @@ class _HivemindNoise(logging.Filter):
     - a round cancelled while it waited for its peer to start it (the peer stepped without it): a traceback at
       ERROR, demoted to one INFO line;
     - a state download that a peer refused because it was in the middle of a step (the downloader tries another
-      peer, or again later) is logged at ERROR with a traceback: demoted to one INFO line;
+      peer, or again later) is logged at ERROR with a traceback by the downloader, and as a warning plus a traceback
+      of the failed request handler by the refusing peer: each demoted to one INFO line;
     - a round whose step was cancelled (its peer caught up by downloading the state) that then finishes: hivemind
       catches asyncio's ``InvalidStateError`` but not the one its futures raise, and asyncio reports "Task
       exception was never retrieved" with a traceback: dropped;
@@ -73,6 +74,8 @@ class _HivemindNoise(logging.Filter):
             return _to_info_line(record, "All-reduce round: cancelled")
         if message.startswith("Failed to download state from") and MID_STEP in message:
             return _to_info_line(record, message)
+        if MID_STEP in (message if error is None else str(error)):  # the refusing side: its warning, its handler's
+            return _to_info_line(record, f"State download refused: {MID_STEP}")
         if message.startswith("Unhandled exception in client_connected_cb") and "already awaited" in str(error):
             return False
         if type(error).__name__ == "InvalidStateError" and "CANCELLED" in str(error) and "Averager" in message:
@@ -94,6 +97,7 @@ def _to_info_line(record: logging.LogRecord, message: str) -> bool:
 HIVEMIND_NOISE_LOGGERS = (
     "hivemind.averaging.averager",
     "hivemind.optim.optimizer",
+    "hivemind.p2p.p2p_daemon",
     "hivemind.utils.asyncio",
     "asyncio",
 )

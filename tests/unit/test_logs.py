@@ -31,7 +31,7 @@ class Captured(logging.Handler):
 @pytest.fixture
 def captured():
     handler = Captured()
-    loggers = [logging.getLogger(name) for name in HIVEMIND_NOISE_LOGGERS]
+    loggers = [logging.getLogger(name) for name in {*HIVEMIND_NOISE_LOGGERS, "hivemind.p2p.p2p_daemon"}]
     for logger in loggers:
         logger.addHandler(handler)
     yield handler
@@ -44,7 +44,7 @@ def test_hivemind_noise_of_a_healthy_swarm_is_kept_out_of_the_logs(captured, mon
     refused during a step, a stream closed before the daemon handled it, a cancelled round finishing, averager tasks
     destroyed at shutdown) prints no traceback; other errors print as before. A round without a group, a cancelled
     one or a refused download is an INFO line (hidden at a peer's WARNING level)."""
-    for name in ("hivemind.averaging.averager", "hivemind.optim.optimizer"):
+    for name in ("hivemind.averaging.averager", "hivemind.optim.optimizer", "hivemind.p2p.p2p_daemon"):
         monkeypatch.setattr(logging.getLogger(name), "level", logging.WARNING)
     for name in ("hivemind.averaging.averager", "hivemind.optim.optimizer"):  # as hivemind logs them
         try:
@@ -59,6 +59,11 @@ def test_hivemind_noise_of_a_healthy_swarm_is_kept_out_of_the_logs(captured, mon
         raise P2PHandlerError(f"Failed to call handler `rpc_download_state` at 12D3Koo: {MID_STEP}")
     except P2PHandlerError as e:
         logging.getLogger("hivemind.averaging.averager").exception(f"Failed to download state from 12D3Koo - {e!r}")
+    refused = RuntimeError(MID_STEP)  # the refusing peer: hivemind's warning, then its request handler's traceback
+    logging.getLogger("hivemind.averaging.averager").warning(refused)
+    logging.getLogger("hivemind.p2p.p2p_daemon").warning(
+        "Handler failed with the exception:", exc_info=(type(refused), refused, None)
+    )
     asyncio_logger = logging.getLogger("asyncio")
     cancelled = concurrent.futures.InvalidStateError("Can't set_result to a future that is CANCELLED (123)")
     asyncio_logger.error(
