@@ -31,6 +31,41 @@ T = TypeVar("T")
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 
 
+class _OrphansDropped:
+    """The DHT process's end of its request pipe, that drops a request whose sender exited before it was read.
+
+    A request carries the sender's end of a pipe for its answer, which the DHT process fetches from the sender (by
+    multiprocessing's resource sharer) as it reads the request. A process that exits with requests still queued (an
+    averager shut down while it looked for a group, on a rebalancing move) leaves requests that cannot be read:
+    hivemind then sleeps its RPC wait timeout (3 s) per request, and every request behind them waits; a peer whose
+    averagers left a dozen saw its DHT calls time out for minutes, its record expire, and the others leave it. Nobody
+    waits for those answers, so they are dropped at once."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._pipe = pipe
+
+    def recv(self) -> Any:
+        try:
+            return self._pipe.recv()
+        except (FileNotFoundError, ConnectionRefusedError) as e:  # the sender's resource sharer is gone with it
+            log.debug("Dropped a DHT request whose sender exited: %r", e)
+            return "_drop_orphan", [], {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+
+class _SwarmDHT(DHT):
+    """hivemind's DHT, reading its requests through :class:`_OrphansDropped`."""
+
+    def run(self) -> None:
+        self._inner_pipe = _OrphansDropped(self._inner_pipe)
+        super().run()
+
+    async def _drop_orphan(self) -> None:
+        """What a dropped request runs in the DHT process: nothing."""
+
+
 class SwarmNode:
     """Starts (and stops) this process's DHT node and a replica of its P2P daemon for RPC."""
 
@@ -103,7 +138,7 @@ class SwarmNode:
             if self.policy.key is not None:
                 validators.append(security.SecretRecordValidator(self.policy.key))
                 authorizer = security.SecretAuthorizer(self.policy.key)
-        dht = DHT(
+        dht = _SwarmDHT(
             record_validators=validators,
             authorizer=authorizer,
             initial_peers=self.initial_peers or None,

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import time
+
 import pytest
 
 from lightning_swarm.errors import JoinError
@@ -32,3 +36,33 @@ def test_joining_through_a_peer_that_died_ends_with_one_clear_line():
     assert message.startswith("Could not join the swarm through " + ", ".join(addresses)) and "\n" not in message
     assert "Check that a peer still runs at that address" in message
     assert failure.value.__suppress_context__
+
+
+async def _block(dht, node) -> None:  # runs in the DHT process: blocks its loop while requests queue up
+    time.sleep(1.0)
+
+
+def _send_requests_and_exit(dht) -> None:
+    for _ in range(4):
+        dht.get("orphaned", latest=True, return_future=True)
+    os._exit(0)  # before the DHT process read them
+
+
+def test_requests_of_a_process_that_exited_do_not_stall_the_dht():
+    """A process that shares the node's DHT (an averager) exits with requests still queued, as on a rebalancing
+    move: the DHT process cannot fetch their reply pipes and drops them at once. Before, hivemind slept 3 s on each
+    (12 s here) while the requests behind them waited: a peer's DHT calls timed out for minutes after a move."""
+    node = SwarmNode().start()
+    try:
+        node.dht.get("warm-up", latest=True)  # this process's resource sharer is running, as in a peer
+        node.dht.run_coroutine(_block, return_future=True)
+        child = multiprocessing.get_context("fork").Process(target=_send_requests_and_exit, args=(node.dht,))
+        child.start()
+        child.join(timeout=30)
+        started = time.monotonic()
+        node.dht_store("after_orphans", "me", "value", ttl=30.0)
+        assert node.dht_get("after_orphans") == {"me": "value"}
+        took = time.monotonic() - started
+        assert took < 4.0, f"the DHT answered {took:.1f}s later (orphaned requests stall it 3 s each)"
+    finally:
+        node.shutdown()
