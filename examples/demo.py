@@ -1,6 +1,6 @@
 """A local demo swarm: several peer processes on this machine train the GPT in examples/gpt.py together.
 
-    python examples/demo.py                    # 4 peers, 2 stages, ~4 minutes on a 2-core CPU
+    python examples/demo.py                    # 4 peers, 2 stages, ~3 minutes on a 2-core CPU
     python examples/demo.py --skewed --slow 1  # 3 peers start on stage 0, one peer at a third of its speed:
                                                # watch the swarm rebalance (the summary lists the moves)
 
@@ -32,7 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=60, help="training steps of each peer")
+    parser.add_argument("--steps", type=int, default=100, help="training steps of each peer")
     parser.add_argument("--compression", default="8bit", choices=["8bit", "float16", "none"])
     parser.add_argument("--model", default="--d-model 64 --n-layer 4 --n-head 4 --block-size 64 --batch-size 16")
     parser.add_argument("--skewed", action="store_true", help="start every peer but one on stage 0")
@@ -44,7 +44,9 @@ def main() -> None:
     env = {
         "SWARM_NUM_STAGES": str(args.stages),
         "SWARM_COMPRESSION": args.compression,
-        "SWARM_TARGET_BATCH_SIZE": "32",
+        # a stage steps once per 128 samples of all trainers: every 2-3 s with 4 peers here, time enough for its
+        # peers' all-reduce to assemble (at 32 they stepped every 0.3-1 s and many rounds failed)
+        "SWARM_TARGET_BATCH_SIZE": "128",
         "SWARM_MATCHMAKING_TIME": "1.0",
         "SWARM_AVERAGING_TIMEOUT": "5.0",
         "SWARM_UPDATE_PERIOD": "2.0",
