@@ -101,7 +101,7 @@ def main() -> None:
     lost = sum(r.get("failed_round_seconds", 0.0) for r in runs) / max(sum(r.get("seconds", 0.0) for r in runs), 1e-9)
     failed_rounds = sum(r.get("failed_rounds", 0) for r in runs)
     print(
-        f"  failed all-reduces   {failed_rounds}, {100 * lost:.1f}% of the peers' training time from start to failure"
+        f"  failed all-reduces   {failed_rounds}, {100 * lost:.1f}% of the peers' training time spent waiting for them"
     )
     sent = sum(r.get("bytes_sent", 0) for r in runs)
     print(f"  sent between stages  {sent / max(samples, 1) / 1024:.1f} KiB per sample (tensor payloads)")

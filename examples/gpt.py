@@ -255,7 +255,7 @@ class History(SwarmCallback):
             recomputed=stats.recomputed,
             stage_changes=self.stage_changes,
             peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            # gradient all-reduces that failed (this peer stepped alone), and the time from their start to failure
+            # gradient all-reduces that failed (this peer stepped alone), and the time it waited for them
             failed_rounds=int(metrics.get("failed_rounds", 0)),
             failed_round_seconds=metrics.get("failed_round_seconds", 0.0),
         )

@@ -172,20 +172,47 @@ class _BoundedMatchmaking(DecentralizedAverager):
     running): when the partners never come (they stepped without this peer, or left), a failed round cost a
     synchronous peer the whole averaging timeout, twice (gradients, then parameters). Here a round that has no group
     by its scheduled start plus one request's timeout fails; a round that found one runs its all-reduce under
-    hivemind's own timeout.
+    hivemind's own timeout. With ``owner_bounds_triggered_rounds``, a round that waits for its owner's trigger is
+    left to the owner, who bounds it from the trigger on.
     """
 
-    def step(self, *args: Any, scheduled_time: Optional[float] = None, timeout: Optional[float] = None, **kwargs: Any):
-        now = get_dht_time()
-        start = scheduled_time if scheduled_time is not None else now + self.matchmaking_kwargs["min_matchmaking_time"]
-        grace = self.matchmaking_kwargs["request_timeout"] or self.matchmaking_kwargs["min_matchmaking_time"]
-        bound = start + grace - now
-        timeout = bound if timeout is None else min(timeout, bound)
-        return super().step(*args, scheduled_time=scheduled_time, timeout=timeout, **kwargs)
+    owner_bounds_triggered_rounds = False
+
+    def step(
+        self,
+        *args: Any,
+        scheduled_time: Optional[float] = None,
+        timeout: Optional[float] = None,
+        require_trigger: bool = False,
+        **kwargs: Any,
+    ):
+        if not (require_trigger and self.owner_bounds_triggered_rounds):
+            now = get_dht_time()
+            start = (
+                scheduled_time if scheduled_time is not None else now + self.matchmaking_kwargs["min_matchmaking_time"]
+            )
+            bound = start + self.grace - now
+            timeout = bound if timeout is None else min(timeout, bound)
+        return super().step(
+            *args, scheduled_time=scheduled_time, timeout=timeout, require_trigger=require_trigger, **kwargs
+        )
+
+    @property
+    def grace(self) -> float:
+        """How long after its scheduled start a round may still find its group: one request's timeout."""
+        return self.matchmaking_kwargs["request_timeout"] or self.matchmaking_kwargs["min_matchmaking_time"]
 
 
 class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaking):
-    """hivemind's gradient averager, with :class:`_BoundedMatchmaking`'s rounds, started by fork."""
+    """hivemind's gradient averager, started by fork, with :class:`_BoundedMatchmaking`'s rounds; a pre-scheduled
+    round keeps looking until the optimizer triggers it, which then bounds it (:meth:`SwarmOptimizer._assembles`).
+
+    hivemind pre-schedules a gradient round when it estimates that the epoch ends within the matchmaking time; an
+    estimate early by more than a request's timeout made a round bounded from its scheduled start fail before the
+    epoch ended, and its partners, arriving on time, then found nobody: both stepped alone.
+    """
+
+    owner_bounds_triggered_rounds = True
 
 
 class ConsistentStateAverager(_StartsByFork, TrainingStateAverager, _NotesDownloads, _BoundedMatchmaking):
@@ -260,7 +287,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.steps = 0
         self.allreduce_sizes: Counter[int] = Counter()  # gradient all-reduces that succeeded, by group size
         self.failed_rounds = 0  # gradient all-reduces that failed (no group found, or timed out): stepped alone
-        self.failed_round_seconds = 0.0  # from the start of their matchmaking to their failure
+        self.failed_round_seconds = 0.0  # from their trigger (this peer ready to step) to their failure
         self.pace = StepPace(self.run_id, self.matchmaking_time, self.tracker.target_batch_size)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
@@ -299,17 +326,43 @@ class SwarmOptimizer(hivemind.Optimizer):
             log.warning(warning)
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
+        triggered = time.monotonic()
+        gave_up = maybe_step_control is not None and not self._assembles(maybe_step_control)
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
-        if maybe_step_control is None or maybe_step_control.cancelled():
+        if maybe_step_control is None or (maybe_step_control.cancelled() and not gave_up):
             return
-        if maybe_step_control.done() and maybe_step_control.exception() is None:
+        if maybe_step_control.done() and not gave_up and maybe_step_control.exception() is None:
             self.allreduce_sizes[len(maybe_step_control.result())] += 1
             return
         if not maybe_step_control.done():  # hivemind stopped waiting for it (averaging timeout): nobody will use it
             maybe_step_control.cancel()
         self.failed_rounds += 1
-        started = maybe_step_control.scheduled_time - self.matchmaking_time
-        self.failed_round_seconds += max(0.0, get_dht_time() - started)
+        self.failed_round_seconds += time.monotonic() - triggered
+
+    def _assembles(self, control: Any) -> bool:
+        """Whether the round this peer just triggered begins its all-reduce within a matchmaking time and a request's
+        timeout; if not, it is cancelled. Partners holding samples see the epoch end within a progress refresh of
+        this peer and join within their matchmaking time; ones that have not by then are not coming."""
+        deadline = time.monotonic() + self.matchmaking_time + self.grad_averager.grace
+        while not (control.done() or control.began_allreduce):
+            if time.monotonic() >= deadline:
+                control.cancel()
+                return False
+            time.sleep(0.01)
+        return True
+
+    def shutdown(self) -> None:
+        if self.scheduled_grads is not None and self.scheduled_grads.done():
+            # a round given up on may still read "looking for a group" in the averager: hivemind would cancel it again
+            self.scheduled_grads = None
+        super().shutdown()
+
+    def _tag_along_with_zero_weight(self, control: Any) -> None:
+        if not control.triggered:
+            control.weight = 0
+            control.allow_allreduce()
+        self._assembles(control)
+        super()._tag_along_with_zero_weight(control)
 
     def _load_averaged_gradients_into_optimizer_(self) -> None:
         # hivemind makes a missing .grad (zero_grad sets it to None) a clone of the averaged gradient, which lives on

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_swarm.node import SwarmNode
-from lightning_swarm.optimizer import StepPace, swarm_optimizer
+from lightning_swarm.optimizer import BoundedGradientAverager, StepPace, swarm_optimizer
 
 
 def _optimizer(node: SwarmNode, seed: int, prefix: str = "download_test", target: int = 8, averaging_timeout=5.0):
@@ -115,6 +115,40 @@ def test_a_round_whose_partner_never_comes_costs_its_matchmaking_time_not_the_av
         if optimizer is not None:
             optimizer.shutdown()
         node.shutdown()
+
+
+def test_a_pre_scheduled_round_triggered_late_still_meets_its_partner():
+    """hivemind pre-schedules a gradient round when it estimates that the epoch ends within the matchmaking time; here
+    one peer's estimate is 2 s early: its round is scheduled to start at 1 s and triggered at 2.5 s, when its partner
+    schedules and triggers its own. Bounded from its scheduled start (1.5 s), the early round failed before the
+    epoch ended and its partner found nobody: both stepped alone. Left to the optimizer's bound, which starts at
+    the trigger, both average together."""
+    first = SwarmNode().start()
+    nodes = [first, SwarmNode(first.visible_maddrs()).start()]
+    averagers = [
+        BoundedGradientAverager(
+            [torch.nn.Parameter(torch.full((4,), float(i)))],
+            dht=node.dht,
+            prefix="late_trigger",
+            min_matchmaking_time=1.0,
+            request_timeout=0.5,
+            target_group_size=2,
+            start=True,
+        )
+        for i, node in enumerate(nodes)
+    ]
+    try:
+        early = averagers[0].schedule_step(timeout=10.0)
+        time.sleep(2.5)
+        on_time = averagers[1].schedule_step(timeout=10.0)
+        for control in (early, on_time):
+            control.allow_allreduce()
+        assert [len(control.result(timeout=10.0)) for control in (early, on_time)] == [2, 2]
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for node in nodes:
+            node.shutdown()
 
 
 def test_a_swarm_stepping_about_as_often_as_a_round_assembles_is_told_to_raise_its_target():
