@@ -271,7 +271,9 @@ def test_a_flooding_trainer_does_not_starve_another(swarm, tmp_path):
     assert len(set(busy)) == 1 and len(busy) >= flooder.outcomes["busy"]  # all to the flooder
     assert flooded["steps"] == 40 and flooded["recomputed"] == 0 and not flooded["failed_calls_per_peer"]
     assert "other callers need their share" in peer.log() and peer.alive()
-    assert rates[1] >= 0.3 * rates[0]  # on 2 shared cores the flooder still costs CPU: see the benchmark
+    # the collapse it guards against: 0.03-0.14 before fair shares. On 2 cores shared with the flooder, the stage
+    # server's work for it and another test, the trainer kept 0.28-0.37 in suites (0.48 in benchmarks/flooding.py)
+    assert rates[1] >= 0.2 * rates[0]
 
 
 def steady_rate(times: list[float], skip: int = 5) -> float:
