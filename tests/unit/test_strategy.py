@@ -3,6 +3,10 @@ from the run), and the router's counters it hands out."""
 
 from __future__ import annotations
 
+import importlib
+import json
+import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
@@ -12,7 +16,11 @@ from torch import nn
 
 import lightning_swarm
 from lightning_swarm.client.routing import RouterStats
+from lightning_swarm.events import EventQueue
+from lightning_swarm.node import SwarmNode
 from lightning_swarm.optimizer import train_batch_size
+from lightning_swarm.server.stage_host import StageHost
+from lightning_swarm.settings import SwarmSettings
 from lightning_swarm.strategy import SwarmStrategy
 
 
@@ -115,3 +123,28 @@ def test_router_stats_are_a_copy_of_the_routers_counters():
     strategy.router.stats.chosen["a"] += 1
     strategy.router.stats.seconds[1] = 0.2
     assert (stats.calls, stats.chosen, stats.seconds) == (3, {"a": 3}, {0: 0.5})
+
+
+def test_the_demo_reports_the_failed_rounds_of_the_stage_and_the_local_optimizer(tmp_path, monkeypatch):
+    """What the demo prints as failed all-reduces: ``swarm_metrics()`` sums the failed rounds (and the seconds waited
+    for them) of the stage optimizer this peer serves and of its local optimizer, and examples/gpt.py's History
+    writes those figures (it once read an attribute gone since a redesign, and counted the local rounds only)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "examples"))
+    gpt = importlib.import_module("gpt")
+    node = SwarmNode().start()
+    try:
+        host = StageHost(node, SwarmSettings(), {}, torch.device("cpu"), EventQueue(), threading.Event(), print)
+        host.stage = SimpleNamespace(index=1, optimizer=SimpleNamespace(failed_rounds=2, failed_round_seconds=3.0))
+        strategy = SwarmStrategy()
+        strategy.host = host
+        local = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+        local.failed_rounds, local.failed_round_seconds = 1, 1.5  # as its SwarmOptimizer counts them
+        strategy.optimizers = [local]
+        metrics = strategy.swarm_metrics()
+        assert (metrics["stage"], metrics["failed_rounds"], metrics["failed_round_seconds"]) == (1.0, 3.0, 4.5)
+        history = gpt.History(str(tmp_path / "history.json"))
+        history.write(SimpleNamespace(strategy=strategy))
+        written = json.loads((tmp_path / "history.json").read_text())
+        assert (written["failed_rounds"], written["failed_round_seconds"]) == (3, 4.5)
+    finally:
+        node.shutdown()
