@@ -326,16 +326,20 @@ class SwarmOptimizer(hivemind.Optimizer):
             log.warning(warning)
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
+        control = maybe_step_control
+        if control is None:  # no round: hivemind steps on this peer's gradients
+            super()._average_gradients_and_load_into_optimizer(control)
+            return
         triggered = time.monotonic()
-        gave_up = maybe_step_control is not None and not self._assembles(maybe_step_control)
-        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
-        if maybe_step_control is None or (maybe_step_control.cancelled() and not gave_up):
+        assembled = self._assembles(control)
+        super()._average_gradients_and_load_into_optimizer(control)
+        if assembled and control.cancelled():
+            return  # cancelled by this peer catching up with the others: not a failed round
+        if assembled and control.done() and control.exception() is None:
+            self.allreduce_sizes[len(control.result())] += 1
             return
-        if maybe_step_control.done() and not gave_up and maybe_step_control.exception() is None:
-            self.allreduce_sizes[len(maybe_step_control.result())] += 1
-            return
-        if not maybe_step_control.done():  # hivemind stopped waiting for it (averaging timeout): nobody will use it
-            maybe_step_control.cancel()
+        if not control.done():  # hivemind stopped waiting for it (averaging timeout): nobody will use it
+            control.cancel()
         self.failed_rounds += 1
         self.failed_round_seconds += time.monotonic() - triggered
 
