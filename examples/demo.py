@@ -99,9 +99,10 @@ def main() -> None:
     print(f"  loss                 {runs[0]['losses'][0]:.3f} at the start -> {sum(ends) / len(ends):.3f} at the end")
     print(f"  failovers            {sum(r.get('failovers', 0) for r in runs)}")
     lost = sum(r.get("failed_round_seconds", 0.0) for r in runs) / max(sum(r.get("seconds", 0.0) for r in runs), 1e-9)
-    failed_rounds = sum(r.get("failed_rounds", 0) for r in runs)
+    failed, rounds = sum(r.get("failed_rounds", 0) for r in runs), sum(r.get("rounds", 0) for r in runs)
     print(
-        f"  failed all-reduces   {failed_rounds}, {100 * lost:.1f}% of the peers' training time spent waiting for them"
+        f"  failed all-reduces   {failed} of {rounds} rounds, {100 * lost:.1f}% of the peers' training time held up "
+        "by them"
     )
     sent = sum(r.get("bytes_sent", 0) for r in runs)
     print(f"  sent between stages  {sent / max(samples, 1) / 1024:.1f} KiB per sample (tensor payloads)")

@@ -255,7 +255,8 @@ class History(SwarmCallback):
             recomputed=stats.recomputed,
             stage_changes=self.stage_changes,
             peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            # gradient all-reduces that failed (this peer stepped alone), and the time it waited for them
+            # gradient all-reduce rounds, those that failed (this peer stepped alone), and the time they held it up
+            rounds=int(metrics.get("rounds", 0)),
             failed_rounds=int(metrics.get("failed_rounds", 0)),
             failed_round_seconds=metrics.get("failed_round_seconds", 0.0),
         )

@@ -112,8 +112,9 @@ class CountingProgressTracker(ProgressTracker):
     whenever a router picks it, so a peer would step on its own microbatch before the others' samples exist, and
     wait for an all-reduce partner (up to the averaging timeout) that has nothing to contribute and never comes.
     Here every peer reports a rate of zero, so the swarm steps on samples actually processed; and the peers of
-    an all-reduce are this one and those with samples in the current epoch. Peers left out catch up by downloading
-    the state (``SwarmOptimizer.follow_swarm``).
+    an all-reduce are this one, those with samples in its epoch, and those that just left that epoch (their round
+    may still be looking for this peer). Peers left out catch up by downloading the state
+    (``SwarmOptimizer.follow_swarm``).
     """
 
     def __init__(self, *args: Any, start: bool, **kwargs: Any) -> None:
@@ -127,9 +128,15 @@ class CountingProgressTracker(ProgressTracker):
         progress = super()._parse_swarm_progress_data(metadata)
         me = self.dht.peer_id.to_bytes()
         entries = [LocalTrainingProgress.parse_obj(e.value) for e in (metadata or {}).values() if e.value is not None]
-        contributors = [e for e in entries if e.epoch == progress.epoch and e.samples_accumulated and e.peer_id != me]
-        progress.num_peers = 1 + len(contributors)
+        others = [e for e in entries if e.peer_id != me]
+        contributors = [e for e in others if e.epoch == progress.epoch and e.samples_accumulated]
         self._others = (progress.epoch, sum(e.samples_accumulated for e in contributors))
+        # the peers of this one's next round: those with samples of its epoch, and, when it is one epoch behind,
+        # those that just moved on: with delayed updates their round of this epoch is still running (left out,
+        # this peer stepped alone while they looked for it in vain: most failed rounds of the demo)
+        mine = self.local_progress.epoch
+        partners = [e for e in others if e.epoch == mine and e.samples_accumulated or e.epoch == mine + 1]
+        progress.num_peers = 1 + len(partners)
         return progress
 
     @property
@@ -202,10 +209,26 @@ class _BoundedMatchmaking(DecentralizedAverager):
         """How long after its scheduled start a round may still find its group: one request's timeout."""
         return self.matchmaking_kwargs["request_timeout"] or self.matchmaking_kwargs["min_matchmaking_time"]
 
+    def others_looking(self) -> bool:
+        """Whether a peer other than this one is looking for a group of these rounds now, as hivemind's matchmaking
+        declares it in the DHT (under a group key that stays the same while rounds start with no group bits).
+        False if the DHT does not answer within a request's timeout."""
+        key = f"{self.prefix}.0b{self.matchmaking_kwargs['initial_group_bits']}"
+        try:
+            found = self.dht.get(key, latest=True, return_future=True).result(self.grace)
+        except Exception:  # a timeout, or the DHT shutting down
+            return False
+        if found is None or not isinstance(found.value, dict):
+            return False
+        me, now = self.dht.peer_id.to_bytes(), get_dht_time()
+        return any(
+            peer != me and entry.value is True and entry.expiration_time > now for peer, entry in found.value.items()
+        )
+
 
 class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaking):
     """hivemind's gradient averager, started by fork, with :class:`_BoundedMatchmaking`'s rounds; a pre-scheduled
-    round keeps looking until the optimizer triggers it, which then bounds it (:meth:`SwarmOptimizer._assembles`).
+    round keeps looking until the optimizer triggers it, which then bounds it (:meth:`assembles`).
 
     hivemind pre-schedules a gradient round when it estimates that the epoch ends within the matchmaking time; an
     estimate early by more than a request's timeout made a round bounded from its scheduled start fail before the
@@ -213,6 +236,35 @@ class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaki
     """
 
     owner_bounds_triggered_rounds = True
+    refresh = 0.2  # seconds between two looks at the DHT, past the matchmaking time
+
+    def assembles(self, control: Any, limit: float) -> bool:
+        """Whether the round ``control``, triggered just now, begins its all-reduce; if not, it is cancelled.
+
+        It has a matchmaking time and a request's timeout to do so, and longer, up to ``limit`` seconds, while
+        another peer is looking for a group (:meth:`others_looking`): partners that see the epoch end within a
+        progress refresh of this peer join within their matchmaking time, but on a loaded machine forming the group
+        itself can take seconds (a third of the rounds of a 4-peer demo on 2 busy cores failed at that bound with
+        both partners looking). A round that nobody else looks for costs its matchmaking time, a request's timeout
+        and two looks at the DHT (a partner's declaration is missing there for a moment each time hivemind renews
+        it).
+        """
+        start = time.monotonic()
+        check = start + self.matchmaking_kwargs["min_matchmaking_time"] + self.grace
+        misses = 0
+        while not (control.done() or control.began_allreduce):
+            now = time.monotonic()
+            if now >= check:
+                looking = self.others_looking()
+                if control.done() or control.began_allreduce:  # it assembled during that look
+                    break
+                misses = 0 if looking else misses + 1
+                if misses == 2 or now - start >= limit:
+                    control.cancel()
+                    return False
+                check = time.monotonic() + self.refresh
+            time.sleep(0.01)
+        return True
 
 
 class ConsistentStateAverager(_StartsByFork, TrainingStateAverager, _NotesDownloads, _BoundedMatchmaking):
@@ -287,7 +339,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.steps = 0
         self.allreduce_sizes: Counter[int] = Counter()  # gradient all-reduces that succeeded, by group size
         self.failed_rounds = 0  # gradient all-reduces that failed (no group found, or timed out): stepped alone
-        self.failed_round_seconds = 0.0  # from their trigger (this peer ready to step) to their failure
+        self.failed_round_seconds = 0.0  # the time they held up this peer (see _average_gradients_and_load...)
+        self._failed_at: Optional[float] = None  # when a background round failed, until the foreground next waits
         self.pace = StepPace(self.run_id, self.matchmaking_time, self.tracker.target_batch_size)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
@@ -319,6 +372,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         )
 
     def _update_global_epoch(self, grad_scaler: Any) -> None:
+        if self.delay_optimizer_step:
+            self._finish_background_step()  # hivemind waits for it first too: here that wait is timed
         super()._update_global_epoch(grad_scaler)
         self.steps += 1
         warning = self.pace.tick(time.monotonic())
@@ -331,7 +386,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             super()._average_gradients_and_load_into_optimizer(control)
             return
         triggered = time.monotonic()
-        assembled = self._assembles(control)
+        assembled = self.grad_averager.assembles(control, self.averaging_timeout)
         super()._average_gradients_and_load_into_optimizer(control)
         if assembled and control.cancelled():
             return  # cancelled by this peer catching up with the others: not a failed round
@@ -341,19 +396,20 @@ class SwarmOptimizer(hivemind.Optimizer):
         if not control.done():  # hivemind stopped waiting for it (averaging timeout): nobody will use it
             control.cancel()
         self.failed_rounds += 1
-        self.failed_round_seconds += time.monotonic() - triggered
+        if self.delay_grad_averaging:  # a background round: it holds up only a step that waits for it
+            self._failed_at = time.monotonic()
+        else:  # this peer waited for it, from its trigger
+            self.failed_round_seconds += time.monotonic() - triggered
 
-    def _assembles(self, control: Any) -> bool:
-        """Whether the round this peer just triggered begins its all-reduce within a matchmaking time and a request's
-        timeout; if not, it is cancelled. Partners holding samples see the epoch end within a progress refresh of
-        this peer and join within their matchmaking time; ones that have not by then are not coming."""
-        deadline = time.monotonic() + self.matchmaking_time + self.grad_averager.grace
-        while not (control.done() or control.began_allreduce):
-            if time.monotonic() >= deadline:
-                control.cancel()
-                return False
-            time.sleep(0.01)
-        return True
+    def _finish_background_step(self) -> None:
+        """Wait for the background step of delayed updates and put its result into the parameters. The part of the
+        wait before that step's gradient round failed is the time the failed round held this peer up (a round that
+        failed while the peer went on training cost it nothing)."""
+        began = time.monotonic()
+        self.state_averager.step(wait_for_delayed_updates=True)
+        failed_at, self._failed_at = self._failed_at, None
+        if failed_at is not None:
+            self.failed_round_seconds += max(0.0, failed_at - began)
 
     def shutdown(self) -> None:
         if self.scheduled_grads is not None and self.scheduled_grads.done():
@@ -365,7 +421,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         if not control.triggered:
             control.weight = 0
             control.allow_allreduce()
-        self._assembles(control)
+        self.grad_averager.assembles(control, self.averaging_timeout)
         super()._tag_along_with_zero_weight(control)
 
     def _load_averaged_gradients_into_optimizer_(self) -> None:
@@ -389,7 +445,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
             self._tag_along_with_zero_weight(self.scheduled_grads)  # others may count on this peer's round
             self.scheduled_grads = None
-        self.state_averager.step(wait_for_delayed_updates=True)
+        self._finish_background_step()
         with self.tracker.pause_updates():
             try:
                 self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
@@ -418,6 +474,11 @@ class SwarmOptimizer(hivemind.Optimizer):
         # gradients would fork its parameters from theirs
         return self.local_epoch < self.tracker.global_epoch
 
+    @property
+    def rounds(self) -> int:
+        """Gradient all-reduce rounds this peer took part in, failed ones included."""
+        return sum(self.allreduce_sizes.values()) + self.failed_rounds
+
     def progress(self) -> dict:
         """This peer's epoch, steps taken, and gradient all-reduces by group size (string keys, for msgpack)."""
         sizes = {str(k): v for k, v in self.allreduce_sizes.items()}
@@ -436,8 +497,10 @@ class SwarmOptimizer(hivemind.Optimizer):
         hivemind applies it at the next ``step`` call, after the next backward; a stage server calls this before
         every forward, so that staleness lasts as long as the background step runs, one step at most.
         """
-        if self.delay_optimizer_step:
-            self.state_averager.step(wait_for_delayed_updates=wait, apply_delayed_updates=True)
+        if self.delay_optimizer_step and wait:
+            self._finish_background_step()
+        elif self.delay_optimizer_step:
+            self.state_averager.step(wait_for_delayed_updates=False)
 
     def state_dict(self) -> dict:
         """The optimizer's state, with a delayed step still running finished and applied first."""

@@ -350,6 +350,7 @@ class StageHost:
             "rebalances": float(self.rebalances),
         }
         optimizers = [o for o in (self.stage.optimizer if self.stage is not None else None, local_optimizer) if o]
+        metrics["rounds"] = float(sum(getattr(o, "rounds", 0) for o in optimizers))
         metrics["failed_rounds"] = float(sum(getattr(o, "failed_rounds", 0) for o in optimizers))
         metrics["failed_round_seconds"] = float(sum(getattr(o, "failed_round_seconds", 0.0) for o in optimizers))
         for k, stage in enumerate(serving):

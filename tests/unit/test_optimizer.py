@@ -9,20 +9,30 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from lightning_swarm.node import SwarmNode
-from lightning_swarm.optimizer import BoundedGradientAverager, StepPace, swarm_optimizer
+from lightning_swarm.optimizer import BoundedGradientAverager, CountingProgressTracker, StepPace, swarm_optimizer
 
 
-def _optimizer(node: SwarmNode, seed: int, prefix: str = "download_test", target: int = 8, averaging_timeout=5.0):
+def _optimizer(
+    node: SwarmNode,
+    seed: int,
+    prefix: str = "download_test",
+    target: int = 8,
+    averaging_timeout: float = 5.0,
+    delayed: bool = False,
+):
     torch.manual_seed(seed)
     model = torch.nn.Linear(8, 8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return model, swarm_optimizer(node.dht, prefix, optimizer, target, 1.0, averaging_timeout)
+    return model, swarm_optimizer(node.dht, prefix, optimizer, target, 1.0, averaging_timeout, delayed=delayed)
 
 
 @pytest.fixture(params=["fork", "forkserver"])
@@ -117,6 +127,82 @@ def test_a_round_whose_partner_never_comes_costs_its_matchmaking_time_not_the_av
         node.shutdown()
 
 
+def test_a_failed_background_round_costs_only_the_time_a_step_waits_for_it():
+    """With delayed updates a round runs in the background while the peer goes on training: one whose partner never
+    comes fails there (counted), but holds up nothing unless a step waits for it; here nothing does, so it costs no
+    time (it was counted as the time from its trigger to its failure before, as if the peer had waited)."""
+    node = SwarmNode().start()
+    absent = subprocess.Popen(
+        [sys.executable, "-c", ABSENT_PEER, *map(str, node.visible_maddrs())],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parent,
+        start_new_session=True,
+    )
+    optimizer = None
+    try:
+        assert absent.stdout.readline().strip() == "stepped"
+        model, optimizer = _optimizer(node, 0, "round_test", averaging_timeout=10.0, delayed=True)
+        deadline = time.monotonic() + 10
+        while optimizer.tracker.global_progress.samples_accumulated < 4:
+            assert time.monotonic() < deadline, "this peer never saw the other's samples"
+            time.sleep(0.1)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+
+        started = time.monotonic()
+        optimizer.step(batch_size=4)  # 4 + 4 samples: the target of 8; the round runs in the background
+        assert time.monotonic() - started < 1.0
+        while optimizer.failed_rounds == 0:
+            assert time.monotonic() < started + 10, "the background round never ended"
+            time.sleep(0.1)
+        optimizer.apply_finished_update(wait=True)
+        assert optimizer.rounds == optimizer.failed_rounds == 1
+        assert optimizer.failed_round_seconds == 0.0
+    finally:
+        os.killpg(absent.pid, signal.SIGKILL)  # with its node's daemons
+        absent.wait()
+        if optimizer is not None:
+            optimizer.shutdown()
+        node.shutdown()
+
+
+def test_the_partners_of_a_round_include_those_that_just_left_its_epoch():
+    """A peer one epoch behind the swarm counts, as partners of its next round, the peers with samples of its epoch
+    and those now one epoch ahead (with delayed updates their round of its epoch is still looking for it); not
+    peers without samples in its epoch, nor further ahead. Counting only peers with samples of the swarm's newest
+    epoch, it saw nobody and stepped alone while its partner waited for it in vain (most failed rounds of the
+    demo)."""
+    node = SwarmNode().start()
+    tracker = CountingProgressTracker(dht=node.dht, prefix="partners", target_batch_size=8, start=False)
+    try:
+        tracker.local_progress = tracker.local_progress.copy(update=dict(epoch=3, samples_accumulated=4))
+
+        def peers(*records: tuple[int, int]) -> int:
+            metadata = {
+                f"peer{i}": ValueWithExpiration(
+                    LocalTrainingProgress(
+                        peer_id=f"peer{i}".encode(),
+                        epoch=epoch,
+                        samples_accumulated=samples,
+                        samples_per_second=0.0,
+                        time=get_dht_time(),
+                        client_mode=False,
+                    ).dict(),
+                    get_dht_time() + 60,
+                )
+                for i, (epoch, samples) in enumerate(records)
+            }
+            return tracker._parse_swarm_progress_data(metadata).num_peers
+
+        assert peers((4, 0)) == 2  # just left epoch 3: its round of epoch 3 may still run
+        assert peers((3, 5), (4, 0)) == 3
+        assert peers((3, 0)) == 1  # nothing to average
+        assert peers((5, 0)) == 1  # two epochs ahead: this peer downloads the state instead
+    finally:
+        node.shutdown()
+
+
 def test_a_pre_scheduled_round_triggered_late_still_meets_its_partner():
     """hivemind pre-schedules a gradient round when it estimates that the epoch ends within the matchmaking time; here
     one peer's estimate is 2 s early: its round is scheduled to start at 1 s and triggered at 2.5 s, when its partner
@@ -144,6 +230,41 @@ def test_a_pre_scheduled_round_triggered_late_still_meets_its_partner():
         for control in (early, on_time):
             control.allow_allreduce()
         assert [len(control.result(timeout=10.0)) for control in (early, on_time)] == [2, 2]
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for node in nodes:
+            node.shutdown()
+
+
+def test_a_round_keeps_looking_while_its_partner_does():
+    """A partner that starts looking for the round 1.2 s after this peer (it saw the epoch end later, on a loaded
+    machine) joins this peer's group, which then forms at the end of its second declared second (2 s), past the
+    first bound (1 s of matchmaking and a request's 0.5 s): while the partner is looking, both keep looking, and
+    they average together. Cancelled at that bound (as before), both stepped alone."""
+    first = SwarmNode().start()
+    nodes = [first, SwarmNode(first.visible_maddrs()).start()]
+    averagers = [
+        BoundedGradientAverager(
+            [torch.nn.Parameter(torch.full((4,), float(i)))],
+            dht=node.dht,
+            prefix="late_partner",
+            min_matchmaking_time=1.0,
+            request_timeout=0.5,
+            start=True,  # no target group size, as the swarm's optimizers: a group forms when its leader's time is up
+        )
+        for i, node in enumerate(nodes)
+    ]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            controls, waits = [], []
+            for averager in averagers:
+                controls.append(averager.schedule_step(timeout=10.0))
+                controls[-1].allow_allreduce()  # triggered: this peer is ready to step
+                waits.append(pool.submit(averager.assembles, controls[-1], 10.0))
+                time.sleep(1.2)
+            assert [wait.result() for wait in waits] == [True, True]
+        assert [len(control.result(timeout=10.0)) for control in controls] == [2, 2]
     finally:
         for averager in averagers:
             averager.shutdown()

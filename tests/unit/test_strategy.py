@@ -126,25 +126,29 @@ def test_router_stats_are_a_copy_of_the_routers_counters():
 
 
 def test_the_demo_reports_the_failed_rounds_of_the_stage_and_the_local_optimizer(tmp_path, monkeypatch):
-    """What the demo prints as failed all-reduces: ``swarm_metrics()`` sums the failed rounds (and the seconds waited
-    for them) of the stage optimizer this peer serves and of its local optimizer, and examples/gpt.py's History
-    writes those figures (it once read an attribute gone since a redesign, and counted the local rounds only)."""
+    """What the demo prints as failed all-reduces: ``swarm_metrics()`` sums the rounds, the failed ones and the seconds
+    they held the peer up, of the stage optimizer this peer serves and of its local optimizer, and examples/gpt.py's
+    History writes those figures (it once read an attribute gone since a redesign, and counted the local rounds
+    only)."""
     monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "examples"))
     gpt = importlib.import_module("gpt")
     node = SwarmNode().start()
     try:
         host = StageHost(node, SwarmSettings(), {}, torch.device("cpu"), EventQueue(), threading.Event(), print)
-        host.stage = SimpleNamespace(index=1, optimizer=SimpleNamespace(failed_rounds=2, failed_round_seconds=3.0))
+        host.stage = SimpleNamespace(
+            index=1, optimizer=SimpleNamespace(rounds=9, failed_rounds=2, failed_round_seconds=3.0)
+        )
         strategy = SwarmStrategy()
         strategy.host = host
         local = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
-        local.failed_rounds, local.failed_round_seconds = 1, 1.5  # as its SwarmOptimizer counts them
+        local.rounds, local.failed_rounds, local.failed_round_seconds = 4, 1, 1.5  # as its SwarmOptimizer counts them
         strategy.optimizers = [local]
         metrics = strategy.swarm_metrics()
-        assert (metrics["stage"], metrics["failed_rounds"], metrics["failed_round_seconds"]) == (1.0, 3.0, 4.5)
+        assert (metrics["stage"], metrics["rounds"], metrics["failed_rounds"]) == (1.0, 13.0, 3.0)
+        assert metrics["failed_round_seconds"] == 4.5
         history = gpt.History(str(tmp_path / "history.json"))
         history.write(SimpleNamespace(strategy=strategy))
         written = json.loads((tmp_path / "history.json").read_text())
-        assert (written["failed_rounds"], written["failed_round_seconds"]) == (3, 4.5)
+        assert (written["rounds"], written["failed_rounds"], written["failed_round_seconds"]) == (13, 3, 4.5)
     finally:
         node.shutdown()
