@@ -47,7 +47,8 @@ class _OrphansDropped:
     def recv(self) -> Any:
         try:
             return self._pipe.recv()
-        except (FileNotFoundError, ConnectionRefusedError) as e:  # the sender's resource sharer is gone with it
+        except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as e:  # the sender's resource
+            # sharer is gone with it (reset: it went while handing over the pipe)
             log.debug("Dropped a DHT request whose sender exited: %r", e)
             return "_drop_orphan", [], {}
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
+import textwrap
 import threading
 from functools import partial
 from typing import Any, Callable, Generator, Literal, Optional, TypeVar, Union
@@ -452,4 +454,6 @@ class SwarmStrategy(Strategy):
         trainer.should_stop = True
 
 
-SwarmStrategy.__doc__ += "\n" + settings.args_section()  # the settings' docstrings, for LightningCLI's help
+# the settings' docstrings, for LightningCLI's help; both sides dedented (Python 3.13 on strips a docstring's indent
+# itself, and docstring_parser then found no Args section after an indented one)
+SwarmStrategy.__doc__ = inspect.cleandoc(SwarmStrategy.__doc__) + "\n\n" + textwrap.dedent(settings.args_section())

@@ -45,9 +45,10 @@ def no_leftover_processes():
     deadline = time.monotonic() + 15
     while (left := p2pd_processes() - before) and time.monotonic() < deadline:
         time.sleep(0.5)
-    # multiprocessing's own helper, not a leftover: locks made under forkserver (Python 3.14's default) start it
-    resource_tracker._resource_tracker._stop()
-    children = psutil.Process().children(recursive=True)
+    # multiprocessing's own helper, not a leftover: locks made under forkserver (Python 3.14's default) start it. It
+    # keeps running: stopped here, it unlinked the semaphores of hivemind's locks, whose finalizers then failed at exit
+    tracker = resource_tracker._resource_tracker._pid
+    children = [c for c in psutil.Process().children(recursive=True) if c.pid != tracker]
     for process in [*children, *(psutil.Process(pid) for pid in left if psutil.pid_exists(pid))]:
         process.kill()
     assert not left, f"p2pd daemons left behind by the suite: {sorted(left)}"

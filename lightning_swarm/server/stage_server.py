@@ -49,6 +49,7 @@ from lightning_swarm.errors import (
     SwarmRequestError,
 )
 from lightning_swarm.events import EventQueue, StageStep
+from lightning_swarm.logs import RateLimit
 from lightning_swarm.precision import activation_dtypes, autocast, parameter_dtype, unscale_
 from lightning_swarm.protocol import stage_uid
 from lightning_swarm.security import AccessPolicy
@@ -58,6 +59,8 @@ from lightning_swarm.server.kept_activations import Kept, KeptActivations, count
 from lightning_swarm.server.out_of_core import OutOfCoreStage, spare_bytes
 
 log = logging.getLogger(__name__)
+
+BUSY_LOG_PERIOD = 10.0  # seconds between two log lines about one caller's busy answers
 
 
 class StageOptimizer(Protocol):
@@ -171,6 +174,7 @@ class StageServer(ServicerBase):
         self.throughput = PerformanceEMA(alpha=0.1)
         self.lock = threading.Lock()  # held by the worker while it computes; others take it to read the state
         self._tasks = FairQueue(max_queue)
+        self._busy_lines = RateLimit(BUSY_LOG_PERIOD)  # one log line per caller each period: a flood is answered busy
         self._queued_samples = 0
         self.backward_samples = 0  # samples whose gradients reached the stage optimizer
         self.skipped_samples = 0  # samples whose gradients were not finite (16-mixed overflow): not accumulated
@@ -294,7 +298,11 @@ class StageServer(ServicerBase):
             encoded = await loop.run_in_executor(None, compression.encode, output, codec)
         except (ActivationsLostError, NotServingError):
             raise  # expected when the caller's view is stale: no log line
-        except (SwarmRequestError, StageBusyError, StageFailedError) as e:
+        except StageBusyError as e:
+            if self._busy_lines(caller):  # a caller's first busy answer is always logged
+                log.warning("Stage %d refused a %s request from %s: %r", self.stage, kind, caller, e)
+            raise
+        except (SwarmRequestError, StageFailedError) as e:
             log.warning("Stage %d refused a %s request from %s: %r", self.stage, kind, caller, e)
             raise
         except Exception as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from unittest.mock import patch
 
@@ -14,7 +15,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
 from lightning_swarm import compression, protocol
-from lightning_swarm.errors import PeerNotAllowedError, SwarmRequestError
+from lightning_swarm.errors import PeerNotAllowedError, StageBusyError, SwarmRequestError
 from lightning_swarm.security import AUTH_FIELD, AccessPolicy, create_identity
 from lightning_swarm.server.stage_server import StageServer
 
@@ -96,5 +97,35 @@ def test_an_outsiders_stream_is_refused_on_its_first_message(tmp_path):
                 len(pulled) == 8
                 and compression.deserialize(protocol.combine([r.tensors[0] for r in reply])[0]).shape == x.shape
             )
+    finally:
+        server.shutdown()
+
+
+def test_a_flood_of_busy_answers_is_one_log_line_per_caller(caplog):
+    """A caller answered busy many times in a row is named in one log line, not in one per answer (a flood of them
+    cost the server a log line each, beside the answer itself); another caller answered busy gets its own line."""
+    server = StageServer("run", 0, blocks(), torch.device("cpu"), max_queue=1, throttle=200)
+    request = runtime_pb2.ExpertRequest(
+        uid=server.uid,
+        tensors=[compression.serialize(torch.randn(2, 16), "none")],
+        metadata=protocol.encode_metadata({"codec": "none", "train": False}),
+    )
+
+    async def flood(callers: list[str]) -> list[str]:
+        async def one(caller: str) -> str:
+            try:
+                await server.answer("forward", request, caller)
+                return "served"
+            except StageBusyError:
+                return "busy"
+
+        return await asyncio.gather(*map(one, callers))
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="lightning_swarm.server.stage_server"):
+            outcomes = asyncio.run(flood(["flooder"] * 12 + ["other"] * 3))
+        lines = [r.getMessage() for r in caplog.records if "refused a forward request" in r.getMessage()]
+        assert outcomes.count("busy") >= 12 - 2  # the queue's one place and the request being computed
+        assert sorted(line.split(" from ")[1].split(":")[0] for line in lines) == ["flooder", "other"]
     finally:
         server.shutdown()
