@@ -135,7 +135,7 @@ class CountingProgressTracker(ProgressTracker):
         # those that just moved on: with delayed updates their round of this epoch is still running (left out,
         # this peer stepped alone while they looked for it in vain: most failed rounds of the demo)
         mine = self.local_progress.epoch
-        partners = [e for e in others if e.epoch == mine and e.samples_accumulated or e.epoch == mine + 1]
+        partners = [e for e in others if (e.epoch == mine and e.samples_accumulated) or e.epoch == mine + 1]
         progress.num_peers = 1 + len(partners)
         return progress
 
@@ -339,7 +339,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.steps = 0
         self.allreduce_sizes: Counter[int] = Counter()  # gradient all-reduces that succeeded, by group size
         self.failed_rounds = 0  # gradient all-reduces that failed (no group found, or timed out): stepped alone
-        self.failed_round_seconds = 0.0  # the time they held up this peer (see _average_gradients_and_load...)
+        self.failed_round_seconds = 0.0  # the time they held this peer up: waiting for them, not their background
         self._failed_at: Optional[float] = None  # when a background round failed, until the foreground next waits
         self.pace = StepPace(self.run_id, self.matchmaking_time, self.tracker.target_batch_size)
 
