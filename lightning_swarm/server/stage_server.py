@@ -60,7 +60,7 @@ from lightning_swarm.server.out_of_core import OutOfCoreStage, spare_bytes
 
 log = logging.getLogger(__name__)
 
-BUSY_LOG_PERIOD = 10.0  # seconds between two log lines about one caller's busy answers
+BUSY_LOG_PERIOD = 10.0  # seconds between two log lines about one caller's busy answers of one kind
 
 
 class StageOptimizer(Protocol):
@@ -174,7 +174,7 @@ class StageServer(ServicerBase):
         self.throughput = PerformanceEMA(alpha=0.1)
         self.lock = threading.Lock()  # held by the worker while it computes; others take it to read the state
         self._tasks = FairQueue(max_queue)
-        self._busy_lines = RateLimit(BUSY_LOG_PERIOD)  # one log line per caller each period: a flood is answered busy
+        self._busy_lines = RateLimit(BUSY_LOG_PERIOD)  # a line per caller and kind of busy answer each period
         self._queued_samples = 0
         self.backward_samples = 0  # samples whose gradients reached the stage optimizer
         self.skipped_samples = 0  # samples whose gradients were not finite (16-mixed overflow): not accumulated
@@ -299,7 +299,7 @@ class StageServer(ServicerBase):
         except (ActivationsLostError, NotServingError):
             raise  # expected when the caller's view is stale: no log line
         except StageBusyError as e:
-            if self._busy_lines(caller):  # a caller's first busy answer is always logged
+            if self._busy_lines((caller, str(e))):  # a caller's first busy answer of each kind is always logged
                 log.warning("Stage %d refused a %s request from %s: %r", self.stage, kind, caller, e)
             raise
         except (SwarmRequestError, StageFailedError) as e:

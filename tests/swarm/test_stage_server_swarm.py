@@ -200,8 +200,8 @@ def test_empty_tensor_with_a_huge_batch_dimension_is_refused(swarm):
 
 def test_a_flood_of_requests_is_answered_busy_and_the_server_keeps_serving(swarm):
     """64 concurrent requests to a server that queues at most 4 (and computes slowly, throttled): the excess is
-    answered "busy" at once (the queue does not grow), the refusals are logged (one line per caller every 10 s: a
-    line for each cost the server as much as the answer), and the server then serves again."""
+    answered "busy" at once (the queue does not grow), the refusals are logged (one line per caller and kind every
+    10 s: a line for each cost the server as much as the answer), and the server then serves again."""
     env = {**SERVE_ENV, "SWARM_MAX_QUEUE": "4", "SWARM_THROTTLE": "200"}
     peer = swarm.start("server", SMALL_GPT, env=env)
     node = SwarmNode(initial_peers=peer.addresses()).start()
@@ -269,7 +269,7 @@ def test_a_flooding_trainer_does_not_starve_another(swarm, tmp_path):
         f"flooder's answers {flooder.outcomes}; busy answers to {set(busy)}; recomputed {flooded['recomputed']}"
     )
     assert flooder.outcomes["busy"] > 0 and flooder.outcomes["served"] > 0, flooder.outcomes
-    assert len(set(busy)) == 1  # all to the flooder: a caller's first busy answer is always logged
+    assert len(set(busy)) == 1  # all to the flooder: a caller's first busy answer of each kind is always logged
     assert flooded["steps"] == 40 and flooded["recomputed"] == 0 and not flooded["failed_calls_per_peer"]
     assert "other callers need their share" in peer.log() and peer.alive()
     # the collapse it guards against: 0.03-0.14 before fair shares. On 2 cores shared with the flooder, the stage

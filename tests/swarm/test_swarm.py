@@ -144,7 +144,10 @@ def test_failover_after_kill_9(swarm, tmp_path):
     steps = 30
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "8"}
     for name in ("stage1_a", "stage1_b"):
-        swarm.start(name, SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})
+        # they never move: one moved to stage 0 (empty until the trainer served it) and the kill left stage 1 empty
+        swarm.start(
+            name, SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1", "SWARM_REBALANCE_PERIOD": "0"}
+        )
     deadline = time.monotonic() + 120
     while "Serving stage 1" not in swarm.peers["stage1_b"].log():  # it first downloads the stage from stage1_a
         assert time.monotonic() < deadline and swarm.peers["stage1_b"].alive(), swarm.peers["stage1_b"].log()

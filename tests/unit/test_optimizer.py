@@ -10,7 +10,9 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -18,7 +20,13 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from lightning_swarm.node import SwarmNode
-from lightning_swarm.optimizer import BoundedGradientAverager, CountingProgressTracker, StepPace, swarm_optimizer
+from lightning_swarm.optimizer import (
+    BoundedGradientAverager,
+    CountingProgressTracker,
+    StepPace,
+    SwarmOptimizer,
+    swarm_optimizer,
+)
 
 
 def _optimizer(
@@ -85,12 +93,11 @@ time.sleep(600)
 """
 
 
-def test_a_round_whose_partner_never_comes_costs_its_matchmaking_time_not_the_averaging_timeout():
-    """Two peers of a stage hold samples that together reach the target; one steps, the other does not join its rounds
-    (it left, or is stuck): each of the step's two rounds (gradients, then parameters) fails once its matchmaking time
-    (1 s) and one request's timeout (0.5 s) are over, not after the averaging timeout (10 s); the failed gradient
-    round is counted with its time, and the peer steps with its own gradients. (The other peer is a process of its
-    own, as hivemind's progress records of one process share a key.)"""
+@contextmanager
+def beside_an_absent_partner(delayed: bool) -> Iterator[tuple[torch.nn.Module, SwarmOptimizer]]:
+    """A model and its optimizer whose partner holds 4 samples of the target of 8 but never joins a round (it left,
+    or is stuck); the model's gradients are set, for a step of 4 samples. (The partner is a process of its own, as
+    hivemind's progress records of one process share a key.)"""
     node = SwarmNode().start()
     absent = subprocess.Popen(
         [sys.executable, "-c", ABSENT_PEER, *map(str, node.visible_maddrs())],
@@ -102,23 +109,14 @@ def test_a_round_whose_partner_never_comes_costs_its_matchmaking_time_not_the_av
     optimizer = None
     try:
         assert absent.stdout.readline().strip() == "stepped"
-        model, optimizer = _optimizer(node, 0, "round_test", averaging_timeout=10.0)
+        model, optimizer = _optimizer(node, 0, "round_test", averaging_timeout=10.0, delayed=delayed)
         deadline = time.monotonic() + 10
         while optimizer.tracker.global_progress.samples_accumulated < 4:
             assert time.monotonic() < deadline, "this peer never saw the other's samples"
             time.sleep(0.1)
         for p in model.parameters():
             p.grad = torch.ones_like(p)
-        before = model.weight.detach().clone()
-
-        started = time.monotonic()
-        optimizer.step(batch_size=4)  # 4 + 4 samples: the target of 8
-        took = time.monotonic() - started
-
-        assert optimizer.failed_rounds == 1 and not optimizer.allreduce_sizes
-        assert took < 2 * (1.0 + 0.5) + 1.5, f"the step took {took:.1f}s"
-        assert 1.0 <= optimizer.failed_round_seconds < 3.0
-        assert optimizer.local_epoch == 1 and not torch.equal(model.weight, before)  # stepped on its own gradients
+        yield model, optimizer
     finally:
         os.killpg(absent.pid, signal.SIGKILL)  # with its node's daemons
         absent.wait()
@@ -127,29 +125,28 @@ def test_a_round_whose_partner_never_comes_costs_its_matchmaking_time_not_the_av
         node.shutdown()
 
 
+def test_a_round_whose_partner_never_comes_costs_its_matchmaking_time_not_the_averaging_timeout():
+    """Two peers of a stage hold samples that together reach the target; one steps, the other does not join its rounds:
+    each of the step's two rounds (gradients, then parameters) fails once its matchmaking time (1 s), one request's
+    timeout (0.5 s) and two looks at the DHT are over, not after the averaging timeout (10 s); the failed gradient
+    round is counted with its time, and the peer steps with its own gradients."""
+    with beside_an_absent_partner(delayed=False) as (model, optimizer):
+        before = model.weight.detach().clone()
+        started = time.monotonic()
+        optimizer.step(batch_size=4)  # 4 + 4 samples: the target of 8
+        took = time.monotonic() - started
+
+        assert optimizer.failed_rounds == 1 and not optimizer.allreduce_sizes
+        assert took < 2 * (1.0 + 0.5) + 1.5, f"the step took {took:.1f}s"
+        assert 1.0 <= optimizer.failed_round_seconds < 3.0
+        assert optimizer.local_epoch == 1 and not torch.equal(model.weight, before)  # stepped on its own gradients
+
+
 def test_a_failed_background_round_costs_only_the_time_a_step_waits_for_it():
     """With delayed updates a round runs in the background while the peer goes on training: one whose partner never
     comes fails there (counted), but holds up nothing unless a step waits for it; here nothing does, so it costs no
     time (it was counted as the time from its trigger to its failure before, as if the peer had waited)."""
-    node = SwarmNode().start()
-    absent = subprocess.Popen(
-        [sys.executable, "-c", ABSENT_PEER, *map(str, node.visible_maddrs())],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).parent,
-        start_new_session=True,
-    )
-    optimizer = None
-    try:
-        assert absent.stdout.readline().strip() == "stepped"
-        model, optimizer = _optimizer(node, 0, "round_test", averaging_timeout=10.0, delayed=True)
-        deadline = time.monotonic() + 10
-        while optimizer.tracker.global_progress.samples_accumulated < 4:
-            assert time.monotonic() < deadline, "this peer never saw the other's samples"
-            time.sleep(0.1)
-        for p in model.parameters():
-            p.grad = torch.ones_like(p)
-
+    with beside_an_absent_partner(delayed=True) as (_, optimizer):
         started = time.monotonic()
         optimizer.step(batch_size=4)  # 4 + 4 samples: the target of 8; the round runs in the background
         assert time.monotonic() - started < 1.0
@@ -159,12 +156,6 @@ def test_a_failed_background_round_costs_only_the_time_a_step_waits_for_it():
         optimizer.apply_finished_update(wait=True)
         assert optimizer.rounds == optimizer.failed_rounds == 1
         assert optimizer.failed_round_seconds == 0.0
-    finally:
-        os.killpg(absent.pid, signal.SIGKILL)  # with its node's daemons
-        absent.wait()
-        if optimizer is not None:
-            optimizer.shutdown()
-        node.shutdown()
 
 
 def test_the_partners_of_a_round_include_those_that_just_left_its_epoch():
@@ -203,38 +194,46 @@ def test_the_partners_of_a_round_include_those_that_just_left_its_epoch():
         node.shutdown()
 
 
-def test_a_pre_scheduled_round_triggered_late_still_meets_its_partner():
-    """hivemind pre-schedules a gradient round when it estimates that the epoch ends within the matchmaking time; here
-    one peer's estimate is 2 s early: its round is scheduled to start at 1 s and triggered at 2.5 s, when its partner
-    schedules and triggers its own. Bounded from its scheduled start (1.5 s), the early round failed before the
-    epoch ended and its partner found nobody: both stepped alone. Left to the optimizer's bound, which starts at
-    the trigger, both average together."""
+@contextmanager
+def two_gradient_averagers(prefix: str, **options: Any) -> Iterator[list[BoundedGradientAverager]]:
+    """Two peers' gradient averagers of one parameter (0 on the first, 1 on the second), on two DHT nodes in this
+    process: rounds look for a group for 1 s, each request waits 0.5 s."""
     first = SwarmNode().start()
     nodes = [first, SwarmNode(first.visible_maddrs()).start()]
     averagers = [
         BoundedGradientAverager(
             [torch.nn.Parameter(torch.full((4,), float(i)))],
             dht=node.dht,
-            prefix="late_trigger",
+            prefix=prefix,
             min_matchmaking_time=1.0,
             request_timeout=0.5,
-            target_group_size=2,
             start=True,
+            **options,
         )
         for i, node in enumerate(nodes)
     ]
     try:
+        yield averagers
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for node in nodes:
+            node.shutdown()
+
+
+def test_a_pre_scheduled_round_triggered_late_still_meets_its_partner():
+    """hivemind pre-schedules a gradient round when it estimates that the epoch ends within the matchmaking time; here
+    one peer's estimate is 2 s early: its round is scheduled to start at 1 s and triggered at 2.5 s, when its partner
+    schedules and triggers its own. Bounded from its scheduled start (1.5 s), the early round failed before the
+    epoch ended and its partner found nobody: both stepped alone. Left to the optimizer's bound, which starts at
+    the trigger, both average together."""
+    with two_gradient_averagers("late_trigger", target_group_size=2) as averagers:
         early = averagers[0].schedule_step(timeout=10.0)
         time.sleep(2.5)
         on_time = averagers[1].schedule_step(timeout=10.0)
         for control in (early, on_time):
             control.allow_allreduce()
         assert [len(control.result(timeout=10.0)) for control in (early, on_time)] == [2, 2]
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        for node in nodes:
-            node.shutdown()
 
 
 def test_a_round_keeps_looking_while_its_partner_does():
@@ -242,34 +241,16 @@ def test_a_round_keeps_looking_while_its_partner_does():
     machine) joins this peer's group, which then forms at the end of its second declared second (2 s), past the
     first bound (1 s of matchmaking and a request's 0.5 s): while the partner is looking, both keep looking, and
     they average together. Cancelled at that bound (as before), both stepped alone."""
-    first = SwarmNode().start()
-    nodes = [first, SwarmNode(first.visible_maddrs()).start()]
-    averagers = [
-        BoundedGradientAverager(
-            [torch.nn.Parameter(torch.full((4,), float(i)))],
-            dht=node.dht,
-            prefix="late_partner",
-            min_matchmaking_time=1.0,
-            request_timeout=0.5,
-            start=True,  # no target group size, as the swarm's optimizers: a group forms when its leader's time is up
-        )
-        for i, node in enumerate(nodes)
-    ]
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            controls, waits = [], []
-            for averager in averagers:
-                controls.append(averager.schedule_step(timeout=10.0))
-                controls[-1].allow_allreduce()  # triggered: this peer is ready to step
-                waits.append(pool.submit(averager.assembles, controls[-1], 10.0))
-                time.sleep(1.2)
-            assert [wait.result() for wait in waits] == [True, True]
-        assert [len(control.result(timeout=10.0)) for control in controls] == [2, 2]
-    finally:
+    # no target group size, as the swarm's optimizers: a group forms when its leader's time is up
+    with two_gradient_averagers("late_partner") as averagers, ThreadPoolExecutor(2) as pool:
+        controls, waits = [], []
         for averager in averagers:
-            averager.shutdown()
-        for node in nodes:
-            node.shutdown()
+            controls.append(averager.schedule_step(timeout=10.0))
+            controls[-1].allow_allreduce()  # triggered: this peer is ready to step
+            waits.append(pool.submit(averager.assembles, controls[-1], 10.0))
+            time.sleep(1.2)
+        assert [wait.result() for wait in waits] == [True, True]
+        assert [len(control.result(timeout=10.0)) for control in controls] == [2, 2]
 
 
 def test_a_swarm_stepping_about_as_often_as_a_round_assembles_is_told_to_raise_its_target():
