@@ -209,22 +209,6 @@ class _BoundedMatchmaking(DecentralizedAverager):
         """How long after its scheduled start a round may still find its group: one request's timeout."""
         return self.matchmaking_kwargs["request_timeout"] or self.matchmaking_kwargs["min_matchmaking_time"]
 
-    def others_looking(self) -> bool:
-        """Whether a peer other than this one is looking for a group of these rounds now, as hivemind's matchmaking
-        declares it in the DHT (under a group key that stays the same while rounds start with no group bits).
-        False if the DHT does not answer within a request's timeout."""
-        key = f"{self.prefix}.0b{self.matchmaking_kwargs['initial_group_bits']}"
-        try:
-            found = self.dht.get(key, latest=True, return_future=True).result(self.grace)
-        except Exception:  # a timeout, or the DHT shutting down
-            return False
-        if found is None or not isinstance(found.value, dict):
-            return False
-        me, now = self.dht.peer_id.to_bytes(), get_dht_time()
-        return any(
-            peer != me and entry.value is True and entry.expiration_time > now for peer, entry in found.value.items()
-        )
-
 
 class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaking):
     """hivemind's gradient averager, started by fork, with :class:`_BoundedMatchmaking`'s rounds; a pre-scheduled
@@ -236,33 +220,18 @@ class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaki
     """
 
     owner_bounds_triggered_rounds = True
-    refresh = 0.2  # seconds between two looks at the DHT, past the matchmaking time
 
-    def assembles(self, control: Any, limit: float) -> bool:
-        """Whether the round ``control``, triggered just now, begins its all-reduce; if not, it is cancelled.
-
-        It has a matchmaking time and a request's timeout to do so, and longer, up to ``limit`` seconds, while
-        another peer is looking for a group (:meth:`others_looking`): partners that see the epoch end within a
-        progress refresh of this peer join within their matchmaking time, but on a loaded machine forming the group
-        itself can take seconds (a third of the rounds of a 4-peer demo on 2 busy cores failed at that bound with
-        both partners looking). A round that nobody else looks for costs its matchmaking time, a request's timeout
-        and two looks at the DHT (a partner's declaration is missing there for a moment each time hivemind renews
-        it).
-        """
-        start = time.monotonic()
-        check = start + self.matchmaking_kwargs["min_matchmaking_time"] + self.grace
-        misses = 0
+    def assembles(self, control: Any) -> bool:
+        """Whether the round ``control``, triggered just now, begins its all-reduce within a matchmaking time and a
+        request's timeout; if not, it is cancelled. Partners holding samples see the epoch end within a progress
+        refresh of this peer and join within their matchmaking time; ones that have not by then are not coming.
+        (Looking on while another peer looked for a group let rounds stall a stage's steps for seconds each when
+        peers were killed: a chaos test's steps took 3x longer.)"""
+        deadline = time.monotonic() + self.matchmaking_kwargs["min_matchmaking_time"] + self.grace
         while not (control.done() or control.began_allreduce):
-            now = time.monotonic()
-            if now >= check:
-                looking = self.others_looking()
-                if control.done() or control.began_allreduce:  # it assembled during that look
-                    break
-                misses = 0 if looking else misses + 1
-                if misses == 2 or now - start >= limit:
-                    control.cancel()
-                    return False
-                check = time.monotonic() + self.refresh
+            if time.monotonic() >= deadline:
+                control.cancel()
+                return False
             time.sleep(0.01)
         return True
 
@@ -386,7 +355,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             super()._average_gradients_and_load_into_optimizer(control)
             return
         triggered = time.monotonic()
-        assembled = self.grad_averager.assembles(control, self.averaging_timeout)
+        assembled = self.grad_averager.assembles(control)
         super()._average_gradients_and_load_into_optimizer(control)
         if assembled and control.cancelled():
             return  # cancelled by this peer catching up with the others: not a failed round
@@ -421,7 +390,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         if not control.triggered:
             control.weight = 0
             control.allow_allreduce()
-        self.grad_averager.assembles(control, self.averaging_timeout)
+        self.grad_averager.assembles(control)
         super()._tag_along_with_zero_weight(control)
 
     def _load_averaged_gradients_into_optimizer_(self) -> None:

@@ -137,11 +137,10 @@ class SwarmSettings:
     """if set, this peer writes its multiaddrs there (one per line) once it is reachable."""
     matchmaking_time: float = field(default=5.0, metadata={CAST: float})
     """seconds peers spend forming an all-reduce group before a step; a round without a group by then (and one
-    request's timeout, at most 1 s) fails, and the peer steps with its own gradients, unless another peer is still
-    looking for a group: then it keeps looking, up to averaging_timeout. Default 5."""
+    request's timeout, at most 1 s) fails, and the peer steps with its own gradients. Default 5."""
     averaging_timeout: float = field(default=30.0, metadata={CAST: float})
-    """seconds after which an all-reduce gives up (one whose group formed, or one still looking beside another
-    peer) and the peer steps with its own gradients (also the patience of a state download). Default 30."""
+    """seconds after which an all-reduce whose group formed gives up and the peer steps with its own gradients
+    (also the patience of a state download). Default 30."""
     request_timeout: float = field(default=60.0, metadata={CAST: float})
     """seconds to wait for a stage's reply before trying another peer of the stage. Default 60."""
     max_retries: int = field(default=5, metadata={CAST: int})

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -234,23 +233,6 @@ def test_a_pre_scheduled_round_triggered_late_still_meets_its_partner():
         for control in (early, on_time):
             control.allow_allreduce()
         assert [len(control.result(timeout=10.0)) for control in (early, on_time)] == [2, 2]
-
-
-def test_a_round_keeps_looking_while_its_partner_does():
-    """A partner that starts looking for the round 1.2 s after this peer (it saw the epoch end later, on a loaded
-    machine) joins this peer's group, which then forms at the end of its second declared second (2 s), past the
-    first bound (1 s of matchmaking and a request's 0.5 s): while the partner is looking, both keep looking, and
-    they average together. Cancelled at that bound (as before), both stepped alone."""
-    # no target group size, as the swarm's optimizers: a group forms when its leader's time is up
-    with two_gradient_averagers("late_partner") as averagers, ThreadPoolExecutor(2) as pool:
-        controls, waits = [], []
-        for averager in averagers:
-            controls.append(averager.schedule_step(timeout=10.0))
-            controls[-1].allow_allreduce()  # triggered: this peer is ready to step
-            waits.append(pool.submit(averager.assembles, controls[-1], 10.0))
-            time.sleep(1.2)
-        assert [wait.result() for wait in waits] == [True, True]
-        assert [len(control.result(timeout=10.0)) for control in controls] == [2, 2]
 
 
 def test_a_swarm_stepping_about_as_often_as_a_round_assembles_is_told_to_raise_its_target():
