@@ -224,9 +224,7 @@ class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaki
     def assembles(self, control: Any) -> bool:
         """Whether the round ``control``, triggered just now, begins its all-reduce within a matchmaking time and a
         request's timeout; if not, it is cancelled. Partners holding samples see the epoch end within a progress
-        refresh of this peer and join within their matchmaking time; ones that have not by then are not coming.
-        (Looking on while another peer looked for a group let rounds stall a stage's steps for seconds each when
-        peers were killed: a chaos test's steps took 3x longer.)"""
+        refresh of this peer and join within their matchmaking time; ones that have not by then are not coming."""
         deadline = time.monotonic() + self.matchmaking_kwargs["min_matchmaking_time"] + self.grace
         while not (control.done() or control.began_allreduce):
             if time.monotonic() >= deadline:
@@ -466,9 +464,11 @@ class SwarmOptimizer(hivemind.Optimizer):
         hivemind applies it at the next ``step`` call, after the next backward; a stage server calls this before
         every forward, so that staleness lasts as long as the background step runs, one step at most.
         """
-        if self.delay_optimizer_step and wait:
+        if not self.delay_optimizer_step:
+            return
+        if wait:
             self._finish_background_step()
-        elif self.delay_optimizer_step:
+        else:
             self.state_averager.step(wait_for_delayed_updates=False)
 
     def state_dict(self) -> dict:
