@@ -449,7 +449,8 @@ class StageServer(ServicerBase):
         signature_known = self.input_shape is not None
         try:
             with self.lock:
-                self.module.train(train)
+                if self.module.training != train:  # a walk over every submodule: not on every request
+                    self.module.train(train)
                 output, accumulate = self._compute(kind, tensors, key, loss_scale)
             self._synchronize()  # the time below is the compute's, not that of launching its kernels
         except (SwarmRequestError, ActivationsLostError) as e:

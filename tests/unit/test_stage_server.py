@@ -131,3 +131,21 @@ def test_a_flood_of_busy_answers_is_one_log_line_per_caller(caplog):
         assert {caller for caller, _ in said} == {"flooder", "other"} and len(set(said)) == len(said) < 12 - 2
     finally:
         server.shutdown()
+
+
+def test_each_request_runs_in_the_mode_it_asks_for():
+    """A forward asks for training or evaluation (dropout on or off), whatever mode the stage's last request left
+    it in (the stage switches its modules only when the mode changes)."""
+    module = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5))
+    server = StageServer("run", 0, module, CPU)
+    x = torch.randn(4, 16)
+    try:
+        expected = module[0](x).detach()
+        outputs = {train: [] for train in (False, True)}
+        for train in (False, True, True, False, False, True):
+            outputs[train].append(ask(server, "forward", [x], train=train))
+        assert all(torch.equal(output, expected) for output in outputs[False])
+        assert not any(torch.equal(output, expected) for output in outputs[True])
+        assert module.training and module[1].training  # the last request trained
+    finally:
+        server.shutdown()
