@@ -61,6 +61,8 @@ from lightning_swarm.server.out_of_core import OutOfCoreStage, spare_bytes
 log = logging.getLogger(__name__)
 
 BUSY_LOG_PERIOD = 10.0  # seconds between two log lines about one caller's busy answers of one kind
+BUSY_HOLD = 0.25  # seconds a caller answered busy more than once a second waits for each further busy answer
+MAX_HELD = 256  # busy answers held at once; beyond, they are sent at once
 
 
 class StageOptimizer(Protocol):
@@ -79,6 +81,12 @@ class StageOptimizer(Protocol):
     def progress(self) -> dict: ...
 
     def state_dict(self) -> dict: ...
+
+
+def _refuse(future: Future, error: Exception) -> None:
+    """Answer a queued request with ``error``, unless its caller stopped waiting (its handler was cancelled)."""
+    if future.set_running_or_notify_cancel():
+        future.set_exception(error)
 
 
 def _out_of_memory(error: BaseException) -> bool:
@@ -175,6 +183,8 @@ class StageServer(ServicerBase):
         self.lock = threading.Lock()  # held by the worker while it computes; others take it to read the state
         self._tasks = FairQueue(max_queue)
         self._busy_lines = RateLimit(BUSY_LOG_PERIOD)  # a line per caller and kind of busy answer each period
+        self._busy_at_once = RateLimit(1.0)  # a caller's first busy answer each second is sent at once
+        self._held = 0  # busy answers being held
         self._queued_samples = 0
         self.backward_samples = 0  # samples whose gradients reached the stage optimizer
         self.skipped_samples = 0  # samples whose gradients were not finite (16-mixed overflow): not accumulated
@@ -301,6 +311,7 @@ class StageServer(ServicerBase):
         except StageBusyError as e:
             if self._busy_lines((caller, str(e))):  # a caller's first busy answer of each kind is always logged
                 log.warning("Stage %d refused a %s request from %s: %r", self.stage, kind, caller, e)
+            await self._hold_busy_answer(caller)
             raise
         except (SwarmRequestError, StageFailedError) as e:
             log.warning("Stage %d refused a %s request from %s: %r", self.stage, kind, caller, e)
@@ -311,6 +322,19 @@ class StageServer(ServicerBase):
             log.warning("Stage %d failed a %s request from %s: %r", self.stage, kind, caller, e)
             raise StageFailedError(f"stage {self.stage} failed a {kind} request: {e!r}") from None
         return [encoded]
+
+    async def _hold_busy_answer(self, caller: str) -> None:
+        """Hold a busy answer to a caller already answered busy this second for ``BUSY_HOLD`` seconds. A caller that
+        sends again as soon as it is refused (a flooder) otherwise costs the server a request's handling per answer,
+        hundreds a second, taken from the callers it serves; a trainer's first busy answer still lets it fail over at
+        once."""
+        if self._busy_at_once(caller) or self._held >= MAX_HELD:
+            return
+        self._held += 1
+        try:
+            await asyncio.sleep(BUSY_HOLD)
+        finally:
+            self._held -= 1
 
     def _check_caller(self, context: P2PContext, raw_metadata: Optional[bytes]) -> None:
         """Refuse callers off the allow-list and, unless ``raw_metadata`` is None, those without the secret's token."""
@@ -411,7 +435,7 @@ class StageServer(ServicerBase):
         self._queued_samples += batch
         if displaced is not None:  # the newest request of the caller that held the most places
             self._queued_samples -= displaced[3]
-            displaced[-1].set_exception(StageBusyError(f"stage {self.stage} is busy: other callers need their share"))
+            _refuse(displaced[-1], StageBusyError(f"stage {self.stage} is busy: other callers need their share"))
         return future
 
     def _busy(self) -> StageBusyError:
@@ -647,7 +671,7 @@ class StageServer(ServicerBase):
     def shutdown(self) -> None:
         """Stop the worker; requests still queued are answered with an error."""
         for *_, future in self._tasks.close():
-            future.set_exception(StageBusyError(f"stage {self.stage} is shutting down"))
+            _refuse(future, StageBusyError(f"stage {self.stage} is shutting down"))
         self._worker.join(timeout=30)
 
         self.kept.clear()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
+import time
 from unittest.mock import patch
 
 import pytest
@@ -17,7 +19,7 @@ from hivemind.proto import runtime_pb2
 from lightning_swarm import compression, protocol
 from lightning_swarm.errors import PeerNotAllowedError, StageBusyError, SwarmRequestError
 from lightning_swarm.security import AUTH_FIELD, AccessPolicy, create_identity
-from lightning_swarm.server.stage_server import StageServer
+from lightning_swarm.server.stage_server import BUSY_HOLD, StageServer
 
 CPU = torch.device("cpu")
 
@@ -149,3 +151,82 @@ def test_each_request_runs_in_the_mode_it_asks_for():
         assert module.training and module[1].training  # the last request trained
     finally:
         server.shutdown()
+
+
+def test_a_caller_refused_again_within_a_second_waits_for_its_busy_answer():
+    """A caller's first busy answer each second is sent at once (a trainer fails over at once); its further busy
+    answers that second are held BUSY_HOLD seconds, so a caller that resends as soon as it is refused (a flooder)
+    sends a few requests a second, not hundreds. Another caller's first busy answer is still sent at once."""
+    server = StageServer("run", 0, blocks(), CPU, max_queue=1)
+    request = runtime_pb2.ExpertRequest(
+        uid=server.uid,
+        tensors=[compression.serialize(torch.randn(2, 16), "none")],
+        metadata=protocol.encode_metadata({"codec": "none", "train": False}),
+    )
+
+    async def refused_after(caller: str) -> float:
+        start = time.monotonic()
+        with pytest.raises(StageBusyError):
+            await server.answer("forward", request, caller)
+        return time.monotonic() - start
+
+    async def scenario() -> tuple[list[float], float]:
+        served = [asyncio.ensure_future(server.answer("forward", request, "flooder"))]
+        await asyncio.sleep(0.2)  # taken by the worker, which waits for the lock
+        served.append(asyncio.ensure_future(server.answer("forward", request, "flooder")))
+        await asyncio.sleep(0.2)  # queued: the queue is full
+        try:
+            flooder = [await asyncio.wait_for(refused_after("flooder"), 5) for _ in range(3)]
+            other = await asyncio.wait_for(refused_after("other"), 5)
+        finally:
+            server.lock.release()
+        await asyncio.wait_for(asyncio.gather(*served), 30)
+        return flooder, other
+
+    server.lock.acquire()  # the worker waits for it to compute
+    try:
+        flooder, other = asyncio.run(scenario())
+        assert flooder[0] < BUSY_HOLD / 2 and other < BUSY_HOLD / 2, (flooder, other)
+        assert all(seconds >= BUSY_HOLD for seconds in flooder[1:]), flooder
+    finally:
+        server.shutdown()
+
+
+def test_requests_whose_callers_stopped_waiting_are_dropped_without_error():
+    """A queued request whose handler was cancelled (its caller hung up) is dropped, without error, where it gives
+    its place to another caller and where the server shuts down (both set an error on a cancelled future before)."""
+    server = StageServer("run", 0, blocks(), CPU, max_queue=2)
+    request = runtime_pb2.ExpertRequest(
+        uid=server.uid,
+        tensors=[compression.serialize(torch.randn(2, 16), "none")],
+        metadata=protocol.encode_metadata({"codec": "none", "train": False}),
+    )
+    shutdown_errors: list[BaseException] = []
+
+    def shut_down() -> None:
+        try:
+            server.shutdown()
+        except BaseException as e:
+            shutdown_errors.append(e)
+
+    async def scenario() -> list:
+        first = asyncio.ensure_future(server.answer("forward", request, "flooder"))
+        await asyncio.sleep(0.2)  # taken by the worker, which waits for the lock
+        hung_up = [asyncio.ensure_future(server.answer("forward", request, "flooder")) for _ in range(2)]
+        await asyncio.sleep(0.2)  # both queued: the queue is full
+        for task in hung_up:
+            task.cancel()
+        other = asyncio.ensure_future(server.answer("forward", request, "other"))  # displaces a hung-up request
+        await asyncio.sleep(0.2)
+        closing = threading.Thread(target=shut_down)
+        closing.start()  # drops the other hung-up request and answers "other" busy
+        await asyncio.sleep(0.2)
+        server.lock.release()
+        closing.join(timeout=30)
+        return await asyncio.wait_for(asyncio.gather(first, other, return_exceptions=True), 30)
+
+    server.lock.acquire()  # the worker waits for it to compute
+    first, other = asyncio.run(scenario())
+    assert not shutdown_errors, shutdown_errors
+    assert isinstance(first, runtime_pb2.ExpertResponse)
+    assert isinstance(other, StageBusyError) and "shutting down" in str(other), other
