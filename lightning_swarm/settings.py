@@ -159,7 +159,8 @@ class SwarmSettings:
     """longest time, in seconds, a serving peer that finished training keeps serving while other peers are still
     training (so that finishing first does not strand them). Default 300."""
     max_queue: int = field(default=64, metadata={CAST: int})
-    """requests a stage server keeps waiting; beyond that it answers "busy". Default 64."""
+    """requests a stage server keeps waiting, shared fairly between callers; beyond that it answers "busy" (held
+    0.25 s for a caller already refused that second). Default 64."""
     max_request_bytes: int = field(default=256 * 2**20, metadata={CAST: int})
     """largest request a stage server accepts. Default 256 MiB."""
     leave_timeout: float = field(default=60.0, metadata={CAST: float})
