@@ -24,6 +24,15 @@ from lightning_swarm.server.stage_server import BUSY_HOLD, StageServer
 CPU = torch.device("cpu")
 
 
+def evaluation_forward(server: StageServer) -> runtime_pb2.ExpertRequest:
+    """A small forward request for ``server``'s stage, not kept for a backward."""
+    return runtime_pb2.ExpertRequest(
+        uid=server.uid,
+        tensors=[compression.serialize(torch.randn(2, 16), "none")],
+        metadata=protocol.encode_metadata({"codec": "none", "train": False}),
+    )
+
+
 def test_inputs_off_the_stage_signature_or_claiming_too_many_samples_are_refused():
     """A [N, 1, C] tensor passes a stage of [N, T, C] blocks and would count as N samples: the first forward fixes
     the stage's input signature, and inputs off it, or claiming more than max_request_samples, are refused before
@@ -108,11 +117,7 @@ def test_a_flood_of_busy_answers_is_one_log_line_per_caller(caplog):
     cost the server a log line each, beside the answer itself); another caller answered busy gets its own line (and
     so does each kind of busy answer: a full queue, a place given up to another caller, out of memory)."""
     server = StageServer("run", 0, blocks(), torch.device("cpu"), max_queue=1, throttle=200)
-    request = runtime_pb2.ExpertRequest(
-        uid=server.uid,
-        tensors=[compression.serialize(torch.randn(2, 16), "none")],
-        metadata=protocol.encode_metadata({"codec": "none", "train": False}),
-    )
+    request = evaluation_forward(server)
 
     async def flood(callers: list[str]) -> list[str]:
         async def one(caller: str) -> str:
@@ -158,11 +163,7 @@ def test_a_caller_refused_again_within_a_second_waits_for_its_busy_answer():
     answers that second are held BUSY_HOLD seconds, so a caller that resends as soon as it is refused (a flooder)
     sends a few requests a second, not hundreds. Another caller's first busy answer is still sent at once."""
     server = StageServer("run", 0, blocks(), CPU, max_queue=1)
-    request = runtime_pb2.ExpertRequest(
-        uid=server.uid,
-        tensors=[compression.serialize(torch.randn(2, 16), "none")],
-        metadata=protocol.encode_metadata({"codec": "none", "train": False}),
-    )
+    request = evaluation_forward(server)
 
     async def refused_after(caller: str) -> float:
         start = time.monotonic()
@@ -196,11 +197,7 @@ def test_requests_whose_callers_stopped_waiting_are_dropped_without_error():
     """A queued request whose handler was cancelled (its caller hung up) is dropped, without error, where it gives
     its place to another caller and where the server shuts down (both set an error on a cancelled future before)."""
     server = StageServer("run", 0, blocks(), CPU, max_queue=2)
-    request = runtime_pb2.ExpertRequest(
-        uid=server.uid,
-        tensors=[compression.serialize(torch.randn(2, 16), "none")],
-        metadata=protocol.encode_metadata({"codec": "none", "train": False}),
-    )
+    request = evaluation_forward(server)
     shutdown_errors: list[BaseException] = []
 
     def shut_down() -> None:
