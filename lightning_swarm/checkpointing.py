@@ -74,10 +74,13 @@ def find_latest(node: SwarmNode, run_id: str) -> Optional[dict]:
 
 
 def stage_state(
-    state_dict: dict[str, torch.Tensor], pipeline_name: str, span: partitioning.StageSpan, stage: torch.nn.Module
+    state_dict: dict[str, torch.Tensor],
+    pipeline: partitioning.Pipeline,
+    span: partitioning.StageSpan,
+    stage: torch.nn.Module,
 ) -> dict[str, torch.Tensor]:
     """The state dict of ``stage`` (its own keys) cut from the whole model's."""
-    return {k: state_dict[partitioning.stage_state_key(pipeline_name, span, k)] for k in stage.state_dict()}
+    return {k: state_dict[pipeline.state_key(span, k)] for k in stage.state_dict()}
 
 
 def optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +122,10 @@ class StageStates(Protocol):
 
 
 def add_stages(
-    checkpoint: dict[str, Any], pipeline_name: str, spans: list[partitioning.StageSpan], source: Optional[StageStates]
+    checkpoint: dict[str, Any],
+    pipeline: partitioning.Pipeline,
+    spans: list[partitioning.StageSpan],
+    source: Optional[StageStates],
 ) -> None:
     """Complete a checkpoint whose state dict holds the local modules: add every stage's current state and, if it
     holds optimizer states, each stage optimizer's (stages whose optimizer state cannot be had are left out, with a
@@ -134,7 +140,7 @@ def add_stages(
     for span in spans:
         stage_state, steps[span.index] = source.fetch_state_and_step(span.index)
         for key, tensor in stage_state.items():
-            state[partitioning.stage_state_key(pipeline_name, span, key)] = tensor
+            state[pipeline.state_key(span, key)] = tensor
     record_stage_steps(checkpoint, steps)
     if "optimizer_states" not in checkpoint:
         return

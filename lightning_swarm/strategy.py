@@ -24,7 +24,6 @@ from functools import partial
 from typing import Any, Callable, Generator, Literal, Optional, TypeVar, Union
 
 import torch
-from lightning.fabric.utilities.init import _materialize_meta_tensors
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -34,8 +33,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_swarm import checkpointing, discovery, partitioning, rebalancing, security, settings
+from lightning_swarm.block_calls import MetaBlocks
 from lightning_swarm.callbacks import dispatch
 from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY, SwarmCheckpointIO
+from lightning_swarm.client import remote_blocks
 from lightning_swarm.client.remote_pipeline import RemotePipeline
 from lightning_swarm.client.routing import RouterStats, StageRouter
 from lightning_swarm.compression import Codec
@@ -56,10 +57,11 @@ T = TypeVar("T")
 class SwarmStrategy(Strategy):
     """Train a LightningModule across a swarm of unreliable peers with SWARM parallelism.
 
-    Every process started with this strategy joins the swarm named ``run_id``. The LightningModule's pipeline (an
-    ``nn.Sequential`` of blocks) is cut into ``num_stages`` stages of balanced parameter count; each peer serves
-    one stage and, by default, also drives its own batches through the swarm. Modules outside the pipeline stay
-    local and are trained data-parallel across the driving peers.
+    Every process started with this strategy joins the swarm named ``run_id``. The LightningModule's pipeline (its
+    ``nn.Sequential``, ``nn.ModuleList`` or ``nn.ModuleDict`` of blocks, at any depth: ``pipeline``, or found
+    automatically) is cut into ``num_stages`` stages of balanced parameter count; each peer serves one stage and, by
+    default, also drives its own batches through the swarm, the model calling its blocks as it always does. Modules
+    outside the pipeline stay local and are trained data-parallel across the driving peers.
 
     Every argument is a :class:`~lightning_swarm.settings.SwarmSettings` field (``self.settings``); one left as
     ``None`` is read from the environment variable ``SWARM_<ARGUMENT>`` in upper case (``SWARM_RUN_ID``,
@@ -120,8 +122,11 @@ class SwarmStrategy(Strategy):
         self.events = EventQueue()
         self._stage: Optional[Stage] = None  # the blocks this peer serves, kept across runs
         self._spans: list[partitioning.StageSpan] = []
-        self._pipeline_name: Optional[str] = None
+        self._pipeline: Optional[partitioning.Pipeline] = None  # where the blocks are, and their names
         self._blueprint: Optional[nn.Sequential] = None  # the whole pipeline, blocks of other stages on meta
+        self._container: Optional[nn.Module] = None  # the model's own container of the blocks
+        self._meta: Optional[MetaBlocks] = None  # the blocks on the meta device, in the Trainer's precision
+        self._remote: Optional[RemotePipeline] = None
         self._batch_size: Optional[int] = None
         self._checkpoint_stage_optimizers: Optional[dict] = None  # from fit(ckpt_path=...), for the stage served
         self._stop_requested = threading.Event()  # set by a signal: finish the step, then leave
@@ -270,11 +275,11 @@ class SwarmStrategy(Strategy):
         state = checkpoint["state_dict"]
         module = self.lightning_module
         self._checkpoint_stage_optimizers = checkpoint.get(STAGE_OPTIMIZERS_KEY)  # loaded once the stage's is built
-        if self._pipeline_name is None:
+        if self._pipeline is None:
             tensors = [*module.parameters(), *module.buffers()]
             module.load_state_dict(state, strict=strict, assign=any(t.is_meta for t in tensors))
             return
-        prefix = self._pipeline_name + "."
+        prefix = self._pipeline.path + "."
         module.load_state_dict({k: v for k, v in state.items() if not k.startswith(prefix)}, strict=False)
         if self._stage is not None:
             stage_state = self._stage.state_from(state)
@@ -286,18 +291,14 @@ class SwarmStrategy(Strategy):
     def _complete_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add every stage's current state, and with the optimizers' states each stage optimizer's, gathered from
         this peer and live peers, to a checkpoint this peer writes (Lightning's state dict holds the local modules)."""
-        if self._pipeline_name is not None:  # else the pipeline was not cut yet: the state dict holds the whole model
-            checkpointing.add_stages(checkpoint, self._pipeline_name, self._spans, self.host)
+        if self._pipeline is not None:  # else the pipeline was not cut yet: the state dict holds the whole model
+            checkpointing.add_stages(checkpoint, self._pipeline, self._spans, self.host)
 
     def claim_checkpoint(self, filepath: str, ttl: float = 60.0) -> bool:
         """Whether this peer writes ``filepath`` (:func:`lightning_swarm.checkpointing.claim`): the others skip it.
         Peers that want copies of their own save to different paths (even on separate disks, the same absolute
         path is written by one peer)."""
         return checkpointing.claim(self.node, self.run_id, filepath, ttl, settle=min(1.0, self.update_period))
-
-    def fetch_stage_state(self, stage: int) -> dict[str, torch.Tensor]:
-        """The current state dict of ``stage`` (stage-local keys), from this peer or a live peer of the stage."""
-        return self.host.fetch_state_and_step(stage)[0]
 
     def teardown(self) -> None:
         if self.host is not None:
@@ -309,9 +310,9 @@ class SwarmStrategy(Strategy):
             if hasattr(opt, "shutdown"):  # the SwarmOptimizer, once wrapped
                 opt.shutdown()
         self.optimizers = []
-        pipeline = getattr(self.lightning_module, self._pipeline_name or "", None)
-        if isinstance(pipeline, RemotePipeline):
-            pipeline.close()
+        if self._remote is not None:
+            self._remote.close()
+            self._remote = None
         if self.router is not None:
             self.router.close()
         self.router = None
@@ -331,7 +332,7 @@ class SwarmStrategy(Strategy):
         same Trainer rejoins the swarm with the same stage, whose blocks this peer kept.
         """
         module = self.lightning_module
-        if self._pipeline_name is None:
+        if self._pipeline is None:
             self._partition(module)
         layout = {"num_stages": self.num_stages, "spans": [[s.start, s.end] for s in self._spans]}
         layout["precision"] = self.precision_plugin.precision  # peers computing in another precision are refused
@@ -361,19 +362,27 @@ class SwarmStrategy(Strategy):
         )
         self.host.use_router(self.router)
         self.router.on_event = self.events.emit
-        remote = RemotePipeline(self.router, self.compression, self.microbatches, loss_scale=self._loss_scale)
-        setattr(module, self._pipeline_name, remote)
+        spans = [(span.start, span.end) for span in self._spans]
+        exact_dtype = not self.precision_plugin.precision.endswith("-mixed")  # under autocast the stage decides
+        self._remote = RemotePipeline(
+            self.router, self.compression, self.microbatches, self._loss_scale, spans, exact_dtype
+        )
+        blocks = remote_blocks.stand_in(self._container, list(self._pipeline.names), self._remote, self._meta)
+        partitioning.replace_pipeline(module, self._pipeline.path, blocks)
         self.host.watch(rebalance=fitting and self.host.server is not None and self.rebalance_period > 0)
 
     def _partition(self, module: LightningModule) -> None:
         """Balance the stages, keep this peer's stage and drop the other blocks (never allocated on meta)."""
-        if any(isinstance(child, RemotePipeline) for child in module.children()):
+        if any(isinstance(child, remote_blocks.RemoteBlock) for child in module.modules()):
             raise ValueError(
                 f"This {type(module).__name__} already had its pipeline handed to a swarm by another Trainer: "
                 f"build the model anew, or reuse the same Trainer for validate/test/predict"
             )
-        self._pipeline_name = partitioning.find_pipeline(module, self.pipeline)
-        self._blueprint = getattr(module, self._pipeline_name)
+        path = partitioning.find_pipeline(module, self.pipeline)
+        self._container = module.get_submodule(path)
+        self._pipeline = partitioning.Pipeline(path, tuple(partitioning.block_names(self._container)))
+        self._blueprint = nn.Sequential(*partitioning.blocks_of(self._container))
+        self._meta = MetaBlocks(list(self._blueprint), self.precision_plugin.convert_module)
         self._spans = partitioning.balance_by_parameters(list(self._blueprint), self.num_stages)
         served = None if self.role == "drive" else self.stage
         if served is None and self.role != "drive":
@@ -382,11 +391,13 @@ class SwarmStrategy(Strategy):
             )
         for span in self._spans:
             if span.index != served:
-                partitioning.stage_module(self._blueprint, span).to("meta")  # keeps their shapes, frees their memory
+                partitioning.release(partitioning.stage_module(self._blueprint, span))  # keeps their shapes
         if served is not None:
             self._build_stage(served, train=False)
-        setattr(module, self._pipeline_name, nn.Identity())  # placeholder until the RemotePipeline takes its place
-        _materialize_meta_tensors(module, self.root_device)  # the local modules, if built on the meta device
+        # a placeholder until the blocks' stand-ins take its place
+        partitioning.replace_pipeline(module, path, type(self._container)())
+        # the local modules, if built on the meta device
+        partitioning.materialize(module, self.root_device, partitioning.initializer(module, path))
 
     def _build_stage(self, stage: int, train: bool) -> Stage:
         """The blocks of ``stage`` on this peer's device, or out of core (freshly initialised if they were on the meta
@@ -397,13 +408,18 @@ class SwarmStrategy(Strategy):
             blocks = partitioning.stage_module(self._blueprint, self._spans[stage])
             convert, precision = self.precision_plugin.convert_module, self.precision_plugin.precision
             module = prepare_stage(
-                blocks, self.root_device, convert, precision, self.out_of_core, self.device_memory_budget
+                blocks, self.root_device, convert, precision, self.out_of_core, self.device_memory_budget, self._init
             )
-            self._stage = Stage(self._spans[stage], module, None, self._pipeline_name)
+            self._stage = Stage(self._spans[stage], module, None, self._pipeline)
         if train:
-            user = partitioning.stage_optimizer(self.lightning_module, self._pipeline_name, self._stage.module)
+            user = partitioning.stage_optimizer(self.lightning_module, self._pipeline.path, self._stage.module)
             self._stage.optimizer = self._swarm_optimizer(user, stage, self.delayed_updates)
         return self._stage
+
+    def _init(self, blocks: nn.Module) -> None:
+        """Initialise freshly allocated blocks the way the model initialises them (a peer joining a live stage then
+        downloads its state)."""
+        partitioning.initializer(self.lightning_module, self._pipeline.path)(blocks)
 
     def _loss_scale(self) -> Optional[float]:
         """The current scale of the Trainer's GradScaler (``16-mixed``), sent with gradients to stage servers."""

@@ -1,25 +1,26 @@
-"""The remote pipeline: an ``nn.Module`` that stands in for the LightningModule's pipeline attribute.
+"""The remote pipeline: runs segments of the pipeline's blocks on the swarm, forward and backward.
 
-Its forward sends the activations through one peer per stage, and its backward sends their gradients back the
-same way, so the user's ``training_step`` and loss code run unchanged. Backward goes to the peer that ran the
-forward with the output gradient alone: that peer kept the forward's graph. The input of every stage is also kept
-on the caller: if that peer died or dropped the graph, the input goes with the gradient to any peer of the stage,
-which recomputes the stage's forward from it.
+A segment is a run of consecutive blocks called with their side inputs (:mod:`~lightning_swarm.block_calls`); it
+crosses one or more stages, each a *hop*. :mod:`~lightning_swarm.client.remote_blocks` puts stand-ins for the blocks
+in the model and hands this module the segments the model's own loop calls, so the user's ``training_step`` and loss
+code run unchanged; an ``nn.Sequential`` pipeline is run whole by :meth:`RemotePipeline.forward`. Backward goes to
+the peer that ran the forward with the output gradient alone: that peer kept the forward's graph. The input of every
+hop (and its side inputs) is also kept on the caller: if that peer died or dropped the graph, they go with the
+gradient to any peer of the stage, which recomputes the forward from them.
 
 Activations and gradients are encoded once, where they are made: a stage's reply goes on to the next stage as it
 came, compressed, and only the pipeline's output and input gradient are kept decoded here (as the check decoded
 them). Every reply is checked first (:class:`~lightning_swarm.client.routing.ReplyCheck`): a forward's output has
-the microbatch's samples, finite values, and the shape per sample and dtype of the stage's first output (learned); a
-backward's input gradient has the stage input's shape and dtype. A peer that answers otherwise is banned and the
-microbatch goes to another peer.
-
+the microbatch's samples, finite values, and the shape (and under ``-true`` precisions the dtype) that the blocks
+on the meta device return for that input; a backward's input gradient has the hop input's shape and dtype. A peer
+that answers otherwise is banned and the microbatch goes to another peer. Side inputs are sent exactly.
 
 A batch is split into equal microbatches that travel through the stages concurrently (each on its own route), so
 that one trainer keeps several stages busy at once and their transfers overlap other microbatches' compute: by
-default (``"auto"``) as many as measured fastest (``microbatch_tuning``). Outputs and input gradients are
-concatenated back, so the loss and the gradients equal the unsplit batch's: each microbatch's output gradient is
-scaled to be that of its own mean loss, which is what the stage optimizers accumulate, and the returned gradient is
-scaled back.
+default (``"auto"``) as many as measured fastest (``microbatch_tuning``). Side inputs whose first dimension is the
+batch are split with it; the others are shared by every microbatch. Outputs and input gradients are concatenated
+back, so the loss and the gradients equal the unsplit batch's: each microbatch's output gradient is scaled to be
+that of its own mean loss, which is what the stage optimizers accumulate, and the returned gradient is scaled back.
 """
 
 from __future__ import annotations
@@ -28,14 +29,16 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Callable, Optional, TypeVar, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 from hivemind.proto import runtime_pb2
 from torch import nn
+from torch.utils import _pytree as pytree
 
-from lightning_swarm import compression
+from lightning_swarm import block_calls, compression, protocol
+from lightning_swarm.block_calls import Call, MetaBlocks
 from lightning_swarm.client.microbatch_tuning import Microbatches, MicrobatchTuner
 from lightning_swarm.client.routing import ReplyCheck, StageRouter
 from lightning_swarm.errors import CALLERS_FAULT, ActivationsLostError
@@ -45,25 +48,63 @@ T = TypeVar("T")
 MAX_THREADS = 64  # microbatches in flight at once with "auto"; threads start only as microbatches need them
 
 
+@dataclass(frozen=True)
+class Hop:
+    """One stage's part of a segment: its blocks called with ``calls`` (None: with the activation alone), the last
+    returning ``output`` (on the meta device, full batch; None: not known)."""
+
+    stage: int
+    calls: Optional[list[Call]] = None
+    output: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class Request:
+    """A hop's side inputs for one microbatch, as sent: the tensors after the activation and the metadata."""
+
+    tensors: list[runtime_pb2.Tensor]
+    metadata: dict
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Blocks ``first``, ``first + 1``, ... of the pipeline called with ``calls`` (full batch), each returning the
+    activation in ``outputs`` (on the meta device), in training mode or not. It starts and ends at stage boundaries
+    (:meth:`RemotePipeline.boundaries`): a stage runs its blocks together."""
+
+    first: int
+    calls: list[Call]
+    outputs: list[torch.Tensor]
+    training: bool
+
+
 @dataclass
 class Route:
-    """A microbatch's way through the stages: each stage's input (as sent), the peer that ran it, and the key under
-    which that peer keeps the forward's graph."""
+    """A microbatch's way through the hops: each hop's stage, input (as sent) and side inputs, the peer that ran it,
+    and the key under which that peer keeps the forward's graph; whether it ran in training mode."""
 
-    inputs: list[runtime_pb2.Tensor]
-    peers: list[str]
-    keys: list[Optional[str]]  # None: the forward was not kept (no backward expected)
+    train: bool = True
+    stages: list[int] = field(default_factory=list)
+    inputs: list[runtime_pb2.Tensor] = field(default_factory=list)
+    peers: list[str] = field(default_factory=list)
+    keys: list[Optional[str]] = field(default_factory=list)  # None: the forward was not kept (no backward expected)
+    sides: list[Optional[Request]] = field(default_factory=list)
 
 
 class RemotePipeline(nn.Module):
-    """Runs the pipeline's stages on the swarm. Holds no parameters: those live on the stage servers.
+    """Runs the pipeline's blocks on the swarm. Holds no parameters: those live on the stage servers.
 
     Args:
+        spans: each stage's blocks ``[start, end)``; None: each stage is called whole, without side inputs.
         microbatches: a batch is split into this many equal microbatches in flight at once (fewer when the batch
             size is not a multiple: the largest divisor of the batch size not above it), or ``"auto"``: tuned by
             measuring the batches' times (:class:`~lightning_swarm.client.microbatch_tuning.MicrobatchTuner`).
         loss_scale: returns the scale of the trainer's GradScaler (``16-mixed``), or None: the gradients sent to
             the stages are scaled by it, and it travels with them so that the stages unscale theirs.
+        exact_dtype: replies must have the dtype the blocks on the meta device return (``-true`` precisions);
+            otherwise any floating dtype (under autocast the stage decides).
+        meta: the pipeline's blocks on the meta device, for :meth:`forward` to check replies against (None: only
+            their sample count is checked).
     """
 
     def __init__(
@@ -72,38 +113,55 @@ class RemotePipeline(nn.Module):
         codec: str = "8bit",
         microbatches: Microbatches = "auto",
         loss_scale: Optional[Callable[[], Optional[float]]] = None,
+        spans: Optional[Sequence[tuple[int, int]]] = None,
+        exact_dtype: bool = True,
+        meta: Optional[MetaBlocks] = None,
     ) -> None:
         super().__init__()
-        self.router, self.loss_scale = router, loss_scale
+        self.router, self.loss_scale, self.exact_dtype, self.meta = router, loss_scale, exact_dtype, meta
+        self.spans = None if spans is None else [tuple(span) for span in spans]
         self.tuner = MicrobatchTuner(microbatches, router.num_stages)
         self.codec = compression.check_codec(codec)
-        # each stage's output: its shape per sample and its dtype, learned from the first reply
-        self._outputs: list[Optional[tuple[list[int], torch.dtype]]] = [None] * router.num_stages
         most = MAX_THREADS if self.tuner.microbatches == "auto" else self.tuner.microbatches
         self._pool = ThreadPoolExecutor(most, "swarm-microbatch") if most > 1 else None
-        # a leaf that requires grad, so that backward reaches the stages even when the input needs no gradient
-        self.register_buffer("_grad_anchor", torch.empty(0), persistent=False)
 
     @property
     def num_stages(self) -> int:
         return self.router.num_stages
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            outputs, _ = self.run_forward(inputs)
-            return outputs
-        anchor = self._grad_anchor.detach().requires_grad_()
-        return _RemoteStages.apply(self, anchor, inputs)
+        """Every stage, each block called with the activation alone (an ``nn.Sequential`` pipeline)."""
+        if self.meta is None:
+            return self.run(inputs, None)
+        calls: list[Call] = [((), {})] * len(self.meta)
+        outputs, hidden = [], inputs
+        for block in range(len(self.meta)):
+            hidden = block_calls.activation_of(self.meta.output(block, hidden, (), {}, self.training))
+            outputs.append(hidden)
+        return self.run(inputs, Segment(0, calls, outputs, self.training))
 
-    def run_forward(self, inputs: torch.Tensor, keep: bool = False) -> tuple[torch.Tensor, list[Route]]:
-        """Forward through every stage, microbatches concurrently; returns the output and each microbatch's route.
+    def run(self, inputs: torch.Tensor, segment: Optional[Segment]) -> torch.Tensor:
+        """The activation after ``segment`` (None: every stage whole), differentiable when grad is enabled."""
+        if not torch.is_grad_enabled():
+            return self.run_forward(inputs, segment=segment)[0]
+        anchor = torch.empty(0, device=inputs.device, requires_grad=True)  # backward reaches the stages through it
+        return _RemoteStages.apply(self, anchor, inputs, segment)
+
+    def run_forward(
+        self, inputs: torch.Tensor, keep: bool = False, segment: Optional[Segment] = None
+    ) -> tuple[torch.Tensor, list[Route]]:
+        """Forward through the hops, microbatches concurrently; returns the output and each microbatch's route.
         ``keep``: the peers keep the forward's graph for the backward that follows."""
-        microbatches = self._split(inputs.detach())
-        results = self._map(self._forward_route, microbatches, [keep] * len(microbatches))
+        hops = self._hops(segment)
+        parts = self._split(inputs.detach(), [] if segment is None else segment.calls)
+        sides = [self._side_requests(hops, calls) for _, calls in parts]
+        train = self.training if segment is None else segment.training
+        n = len(parts)
+        results = self._map(self._forward_route, [x for x, _ in parts], sides, [hops] * n, [keep] * n, [train] * n)
         return torch.cat([output for output, _ in results]).to(inputs.device), [route for _, route in results]
 
     def run_backward(self, grad_outputs: torch.Tensor, routes: list[Route]) -> torch.Tensor:
-        """Backward through every stage along the routes of ``run_forward``, microbatches concurrently."""
+        """Backward through the hops along the routes of ``run_forward``, microbatches concurrently."""
         scale = len(routes)  # equal microbatches: the gradient of a microbatch's own mean loss is scale times its part
         grads = [grad * scale for grad in grad_outputs.detach().chunk(scale)]
         loss_scale = self.loss_scale() if self.loss_scale is not None else None
@@ -113,25 +171,82 @@ class RemotePipeline(nn.Module):
         if self._pool is not None:
             self._pool.shutdown(wait=False)
 
-    def _split(self, inputs: torch.Tensor) -> list[torch.Tensor]:
+    @property
+    def boundaries(self) -> set[int]:
+        """The blocks at which a stage starts, and the pipeline's length: where segments may start and end."""
+        return {start for start, _ in self.spans} | {self.spans[-1][1]} if self.spans else set()
+
+    def _hops(self, segment: Optional[Segment]) -> list[tuple[int, Hop]]:
+        """The stages a segment crosses, as (index of the stage's first block in the segment, hop)."""
+        if segment is None:
+            return [(0, Hop(stage)) for stage in range(self.num_stages)]
+        last = segment.first + len(segment.calls)
+        if not {segment.first, last} <= self.boundaries:
+            raise ValueError(f"segment {segment.first}..{last - 1} does not start and end at stage boundaries")
+        hops = []
+        for stage, (start, end) in enumerate(self.spans):
+            if segment.first <= start and end <= last:
+                begin = start - segment.first
+                calls = segment.calls[begin : begin + end - start]
+                hops.append((begin, Hop(stage, calls, segment.outputs[begin + end - start - 1])))
+        return hops
+
+    def _split(self, inputs: torch.Tensor, calls: list[Call]) -> list[tuple[torch.Tensor, list[Call]]]:
+        """Equal microbatches of the input and of the side inputs that have its batch dimension (a side input is
+        split when its first dimension is the batch size; when the activation's second dimension is too, that is
+        ambiguous and the batch is not split)."""
         size = inputs.shape[0] if inputs.ndim else 1
-        return list(inputs.chunk(self.tuner.count(size)))
+        batched = [t for t in _side_tensors(calls) if t.ndim and t.shape[0] == size]
+        count = self.tuner.count(size)
+        if batched and inputs.ndim > 1 and inputs.shape[1] == size:
+            count = 1
+        pieces = {id(t): t.chunk(count) for t in batched}
+        xs = inputs.chunk(count)
+        return [(x, [_slice_call(call, pieces, i) for call in calls]) for i, x in enumerate(xs)]
+
+    def _side_requests(self, hops: list[tuple[int, Hop]], calls: list[Call]) -> list[Optional[Request]]:
+        """Each hop's side inputs for one microbatch (None for a whole stage): each distinct tensor once per hop,
+        sent exactly."""
+        requests = []
+        for begin, hop in hops:
+            if hop.calls is None:
+                requests.append(None)
+                continue
+            tree, tensors = block_calls.pack(calls[begin : begin + len(hop.calls)])
+            messages = [compression.encode(t, "none") for t in tensors]
+            requests.append(Request(messages, {"calls": tree}))
+        return requests
 
     def _map(self, fn: Callable[..., T], *iterables: list) -> list[T]:
         if self._pool is None or len(iterables[0]) == 1:
             return list(map(fn, *iterables))
         return list(self._pool.map(fn, *iterables))
 
-    def _forward_route(self, inputs: torch.Tensor, keep: bool = False) -> tuple[torch.Tensor, Route]:
-        route, hidden = Route([], [], []), compression.encode(inputs, self.codec)
-        for stage in range(self.num_stages):
-            key = uuid.uuid4().hex if keep else None
-            route.inputs.append(hidden)
-            batch, learned = int(hidden.size[0]), self._outputs[stage]
-            check = ReplyCheck(batch) if learned is None else ReplyCheck(batch, [batch, *learned[0]], learned[1])
-            hidden, peer = self._call(stage, "forward", [hidden], check, keep=key)
-            self._outputs[stage] = learned or (list(hidden.size[1:]), compression.decoded_dtype(hidden))
+    def _reply_check(self, batch: int, hop: Hop) -> ReplyCheck:
+        if hop.output is None:
+            return ReplyCheck(batch)
+        return ReplyCheck(batch, [batch, *hop.output.shape[1:]], hop.output.dtype if self.exact_dtype else None)
 
+    def _forward_route(
+        self,
+        inputs: torch.Tensor,
+        sides: list[Optional[Request]],
+        hops: list[tuple[int, Hop]],
+        keep: bool = False,
+        train: bool = True,
+    ) -> tuple[torch.Tensor, Route]:
+        route, hidden = Route(train), compression.encode(inputs, self.codec)
+        self.router.stats.add(samples_sent=int(inputs.shape[0]) if inputs.ndim else 1)
+        for (_, hop), side in zip(hops, sides):
+            key = uuid.uuid4().hex if keep else None
+            route.stages.append(hop.stage)
+            route.inputs.append(hidden)
+            route.sides.append(side)
+            check = self._reply_check(int(hidden.size[0]), hop)
+            extra = ([], {}) if side is None else (side.tensors, side.metadata)
+            if side is not None:
+                self.router.stats.add(side_bytes_sent=protocol.payload_bytes(side.tensors))
+            hidden, peer = self._call(hop.stage, "forward", [hidden, *extra[0]], check, train, keep=key, **extra[1])
             route.peers.append(peer)
             route.keys.append(key)
         return check.decoded, route
@@ -140,23 +255,23 @@ class RemotePipeline(nn.Module):
         self, grad_outputs: torch.Tensor, route: Route, loss_scale: Optional[float] = None
     ) -> torch.Tensor:
         grad = compression.encode(grad_outputs, self.codec)
-        for stage in reversed(range(self.num_stages)):
-            grad, decoded = self._backward_stage(stage, grad, route, loss_scale)
+        for hop in reversed(range(len(route.peers))):
+            grad, decoded = self._backward_hop(hop, grad, route, loss_scale)
         return decoded
 
-    def _backward_stage(
-        self, stage: int, grad: runtime_pb2.Tensor, route: Route, loss_scale: Optional[float]
+    def _backward_hop(
+        self, hop: int, grad: runtime_pb2.Tensor, route: Route, loss_scale: Optional[float]
     ) -> tuple[runtime_pb2.Tensor, torch.Tensor]:
-        """Backward on the peer that kept the forward; else recompute on a peer of the stage from the input. Returns
-        the input gradient as it came and decoded."""
-        peer, failed = route.peers[stage], None
+        """Backward on the peer that kept the forward; else recompute on a peer of the stage from the input (and the
+        side inputs). Returns the input gradient as it came and decoded."""
+        stage, peer, failed = route.stages[hop], route.peers[hop], None
         scaled = {} if loss_scale is None else {"loss_scale": loss_scale}
-        inputs = route.inputs[stage]  # the input gradient must be shaped like it; NaN reports an overflow
+        inputs = route.inputs[hop]  # the input gradient must be shaped like it; NaN reports an overflow
         check = ReplyCheck(int(inputs.size[0]), inputs.size, compression.decoded_dtype(inputs), loss_scale is None)
-        if route.keys[stage] is not None:
+        if route.keys[hop] is not None:
             try:
-                kept = {"kept": route.keys[stage], **scaled}
-                reply, _ = self._call(stage, "backward", [grad], check, prefer=peer, failover=False, **kept)
+                kept = {"kept": route.keys[hop], **scaled}
+                reply, _ = self._call(stage, "backward", [grad], check, route.train, peer, failover=False, **kept)
                 return reply, check.decoded
             except CALLERS_FAULT:
                 raise
@@ -166,9 +281,12 @@ class RemotePipeline(nn.Module):
                 log.warning("Stage %d: backward on %s failed (%r): recomputing on another peer", stage, peer, e)
                 peer, failed = None, e
             self.router.stats.add(recomputed=1)
-        grad, retried_on = self._call(stage, "backward", [inputs, grad], check, prefer=peer, **scaled)
+        side = route.sides[hop]
+        extra = ([], {}) if side is None else (side.tensors, side.metadata)
+        messages = [inputs, grad, *extra[0]]
+        grad, retried_on = self._call(stage, "backward", messages, check, route.train, peer, **scaled, **extra[1])
         if failed is not None:
-            self.router.failed_over(stage, "backward", route.peers[stage], retried_on, failed)
+            self.router.failed_over(stage, "backward", route.peers[hop], retried_on, failed)
         return grad, check.decoded
 
     def _call(
@@ -177,14 +295,15 @@ class RemotePipeline(nn.Module):
         method: str,
         messages: list[runtime_pb2.Tensor],
         check: ReplyCheck,
+        train: bool,
         prefer: Optional[str] = None,
         failover: bool = True,
-        **metadata: Union[str, float, None],
+        **metadata: Any,
     ) -> tuple[runtime_pb2.Tensor, str]:
         """Call ``method`` of ``stage`` (only on ``prefer`` without failover); the reply as it came, once ``check``
         passed it."""
         self.router.stats.add(raw_bytes_sent=sum(compression.raw_nbytes(m) for m in messages))
-        metadata = {"codec": self.codec, "train": self.training, **metadata}
+        metadata = {"codec": self.codec, "train": train, **metadata}
         batch = int(messages[0].size[0]) if messages[0].size else 1
         if failover:
             reply, peer = self.router.call(stage, method, messages, metadata, batch, prefer=prefer, check=check)
@@ -195,9 +314,11 @@ class RemotePipeline(nn.Module):
 
 class _RemoteStages(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, pipeline: RemotePipeline, anchor: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, pipeline: RemotePipeline, anchor: torch.Tensor, inputs: torch.Tensor, segment: Optional[Segment]
+    ) -> torch.Tensor:
         started = time.perf_counter()
-        outputs, routes = pipeline.run_forward(inputs, keep=True)
+        outputs, routes = pipeline.run_forward(inputs, keep=True, segment=segment)
         ctx.pipeline, ctx.routes, ctx.started = pipeline, routes, started
         ctx.input_device, ctx.input_dtype = inputs.device, inputs.dtype
         return outputs
@@ -208,5 +329,22 @@ class _RemoteStages(torch.autograd.Function):
         batch_size = grad_outputs.shape[0] if grad_outputs.ndim else 1
         ctx.pipeline.tuner.record(batch_size, len(ctx.routes), time.perf_counter() - ctx.started)
         if not ctx.needs_input_grad[2]:
-            return None, None, None
-        return None, None, grad_inputs.to(device=ctx.input_device, dtype=ctx.input_dtype)
+            return None, None, None, None
+        return None, None, grad_inputs.to(device=ctx.input_device, dtype=ctx.input_dtype), None
+
+
+def _side_tensors(calls: list[Call]) -> list[torch.Tensor]:
+    """The distinct tensors among the side inputs of ``calls``."""
+    found: dict[int, torch.Tensor] = {}
+    for call in calls:
+        for leaf in pytree.tree_leaves(call):
+            if isinstance(leaf, torch.Tensor):
+                found.setdefault(id(leaf), leaf)
+    return list(found.values())
+
+
+def _slice_call(call: Call, pieces: dict[int, tuple[torch.Tensor, ...]], index: int) -> Call:
+    """``call`` for microbatch ``index``: its batched tensors replaced by their piece (shared pieces stay shared)."""
+    return pytree.tree_map(
+        lambda t: pieces[id(t)][index] if isinstance(t, torch.Tensor) and id(t) in pieces else t, call
+    )

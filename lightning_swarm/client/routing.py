@@ -121,6 +121,8 @@ class RouterStats:
     bytes_sent: int = 0  # tensor payloads as sent (compressed)
     bytes_received: int = 0
     raw_bytes_sent: int = 0  # the same tensors uncompressed
+    side_bytes_sent: int = 0  # of bytes_sent, the blocks' side inputs (rotary tables, masks...) sent with forwards
+    samples_sent: int = 0  # samples sent forward into the pipeline (each microbatch once, whatever its hops)
     seconds: dict = field(default_factory=dict)  # stage -> seconds spent in successful calls to it
     chosen: dict = field(default_factory=dict)  # peer id -> number of calls sent there
     failed: dict = field(default_factory=dict)  # peer id -> number of those calls that failed
@@ -130,6 +132,11 @@ class RouterStats:
         compression), rather than writing the fields."""
         for name, value in counts.items():
             setattr(self, name, getattr(self, name) + value)
+
+    @property
+    def side_bytes_per_sample(self) -> float:
+        """Side-input bytes sent per sample that went through the pipeline (0 before any)."""
+        return self.side_bytes_sent / self.samples_sent if self.samples_sent else 0.0
 
     def copy(self) -> RouterStats:
         """These counters as they are now, dicts included, for a reader on another thread than the router's."""

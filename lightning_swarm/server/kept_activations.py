@@ -18,7 +18,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Generator, Hashable, Iterable, Optional
+from typing import Any, Generator, Hashable, Iterable, Optional
 
 import torch
 
@@ -31,6 +31,7 @@ class Kept:
     outputs: torch.Tensor
     nbytes: int
     params_version: int
+    calls: Any = None  # the side inputs of the stage's blocks, to recompute it if the parameters changed
     created: float = field(default_factory=time.monotonic)
     owner: Hashable = None  # the caller whose forward it is: the cap is shared fairly between callers
 

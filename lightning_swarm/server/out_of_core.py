@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
-from lightning.fabric.utilities.init import _materialize_meta_tensors
 from torch import nn
 from torch.func import functional_call
 
+from lightning_swarm.partitioning import materialize
 from lightning_swarm.precision import parameter_dtype
 
 log = logging.getLogger(__name__)
@@ -548,8 +548,10 @@ def prepare_stage(
     precision: str,
     out_of_core: OutOfCore = "auto",
     budget: Optional[int] = None,
+    init: Optional[Callable[[nn.Module], None]] = None,
 ) -> nn.Module:
-    """The module a stage server runs: ``blocks`` materialised (if on the meta device) and converted by ``convert``
+    """The module a stage server runs: ``blocks`` materialised (if on the meta device: allocated, then initialised by
+    ``init``, see :func:`~lightning_swarm.partitioning.materialize`) and converted by ``convert``
     (the precision plugin's, to ``precision``), on ``device`` as they are, or an :class:`OutOfCoreStage` whose
     parameters stay on the host.
 
@@ -562,10 +564,10 @@ def prepare_stage(
     if out_of_core == "auto":
         out_of_core = budget is not None and 2 * sum(sizes) > budget
     if not out_of_core:
-        _materialize_meta_tensors(blocks, device)
+        materialize(blocks, device, init)
         return convert(blocks).to(device)
     host = torch.device("cpu")
-    _materialize_meta_tensors(blocks, host)
+    materialize(blocks, host, init)
     blocks = convert(blocks).to(host)
     bandwidth = measure_copy_bandwidth(device)
     plan = plan_out_of_core(block_bytes(blocks), None, bandwidth, budget)

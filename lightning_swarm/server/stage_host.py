@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_swarm import checkpointing, discovery, transport
+from lightning_swarm import checkpointing, discovery, partitioning, transport
 from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY
 from lightning_swarm.client.routing import WAIT_LOG_PERIOD, StageRouter
 from lightning_swarm.discovery import Announcer, PeerRecord, PeerState
@@ -30,7 +30,7 @@ from lightning_swarm.events import EventQueue, PeerJoined, PeerLeft, StageChange
 from lightning_swarm.logs import RateLimit
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.optimizer import SwarmOptimizer
-from lightning_swarm.partitioning import StageSpan
+from lightning_swarm.partitioning import Pipeline, StageSpan
 from lightning_swarm.rebalancing import JOIN_SETTLE, Move, Plan, Rebalancer, first_mover
 from lightning_swarm.server.stage_server import StageServer
 from lightning_swarm.settings import SwarmSettings
@@ -43,13 +43,13 @@ LEAVE_GRACE = 10.0  # seconds a peer leaving its stage keeps answering the reque
 
 @dataclass
 class Stage:
-    """A stage as this peer holds it: which blocks of the pipeline (named ``pipeline`` in the LightningModule), on
-    this peer's device, and their optimizer (None: this run does not train them)."""
+    """A stage as this peer holds it: which blocks of the pipeline (``pipeline`` in the LightningModule), on this
+    peer's device, and their optimizer (None: this run does not train them)."""
 
     span: StageSpan
     module: nn.Module
     optimizer: Optional[SwarmOptimizer]
-    pipeline: str
+    pipeline: Pipeline
 
     @property
     def index(self) -> int:
@@ -401,7 +401,7 @@ class StageHost:
                 plan.planned,
             )
             self.leave()
-            self.stage.module.to("meta")
+            partitioning.release(self.stage.module)  # keeps the blocks' shapes and their non-persistent buffers
             self.serve(self.build_stage(move.to_stage))
         finally:
             self._rebalancer.moved()

@@ -2,12 +2,16 @@
 
 Requests arrive over hivemind's libp2p RPC or the direct path (:mod:`~lightning_swarm.transport`), both answered by
 :meth:`StageServer.answer_tensors`: the caller's membership is checked first (on a stream, on its first message), the
-request's shape against the stage's input signature (declared, or learned from the first forward the stage computed)
-and the samples it claims against a bound, then it is decoded straight onto the stage's device and validated beside
-the event loop, and waits in a bounded queue shared fairly between callers (:mod:`~lightning_swarm.server.fair_queue`)
-for one compute worker thread that owns the stage module on that device. A
+samples and bytes it claims against bounds; then it is decoded straight onto the stage's device and validated beside
+the event loop, and checked against the stage's blocks on the meta device
+(:class:`~lightning_swarm.block_calls.MetaBlocks`): an input the blocks do not take is the caller's fault, refused
+before it costs any compute, and any input they take is served, so sequence length and batch size may change from
+request to request. It then waits in a bounded queue shared fairly between callers
+(:mod:`~lightning_swarm.server.fair_queue`) for one compute worker thread that owns the stage module on that device. A
 training forward keeps its autograd graph for a while (:mod:`~lightning_swarm.server.kept_activations`), so that the
-backward that follows on this peer needs only the output gradient and computes no forward again. A backward sent
+backward that follows on this peer needs only the output gradient and computes no forward again. A request runs all
+the stage's blocks in turn, each called with the activation and the side inputs its metadata's ``calls`` lists
+(:mod:`~lightning_swarm.block_calls`; by default none). A backward sent
 with the stage's input instead recomputes the forward from it, so any peer of the stage can serve it (the fallback
 when the first peer died or dropped the graph). Backward hands the parameter gradients to the stage optimizer (which
 accumulates them towards the stage's target batch size) and returns the gradient of the input.
@@ -31,6 +35,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from functools import partial
 from typing import Any, AsyncIterator, Optional, Protocol, Sequence
 
 import torch
@@ -40,7 +45,8 @@ from hivemind.utils.performance_ema import PerformanceEMA
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_swarm import compression, protocol, security
+from lightning_swarm import block_calls, compression, protocol, security
+from lightning_swarm.block_calls import Call, MetaBlocks
 from lightning_swarm.errors import (
     ActivationsLostError,
     NotServingError,
@@ -83,6 +89,13 @@ class StageOptimizer(Protocol):
     def state_dict(self) -> dict: ...
 
 
+def _blocks_of(module: nn.Module) -> list[nn.Module]:
+    """The blocks a stage module runs in turn."""
+    if isinstance(module, OutOfCoreStage):
+        return list(module._blocks)
+    return list(module) if isinstance(module, nn.Sequential) else [module]
+
+
 def _refuse(future: Future, error: Exception) -> None:
     """Answer a queued request with ``error``, unless its caller stopped waiting (its handler was cancelled)."""
     if future.set_running_or_notify_cancel():
@@ -115,9 +128,6 @@ class StageServer(ServicerBase):
             callers: under contention each keeps an equal share of the places and of the worker's samples.
         max_request_bytes: requests with more tensor bytes are refused before they are decoded.
         max_request_samples: requests claiming more samples (their first dimension) are refused.
-        input_shape: the stage's input signature, one sample's shape (the input without its batch dimension; None
-            for a dimension of any size). None: learned from the first forward the stage computes. Inputs of
-            another shape are refused before they are decoded.
         max_activation_bytes: memory for the graphs of training forwards awaiting their backward (what autograd
             saved, and the stage's input and output; past it, the caller holding the most gives up its oldest, and
             their backward recomputes).
@@ -145,7 +155,6 @@ class StageServer(ServicerBase):
         max_queue: int = 64,
         max_request_bytes: int = 256 * 2**20,
         max_request_samples: int = 4096,
-        input_shape: Optional[Sequence[Optional[int]]] = None,
         max_activation_bytes: Optional[int] = None,
         activation_timeout: float = 120.0,
         checkpoint_activations: bool = False,
@@ -169,7 +178,8 @@ class StageServer(ServicerBase):
         self.idle_period = idle_period
         self.max_request_bytes, self.checkpoint_activations = max_request_bytes, checkpoint_activations
         self.max_request_samples = max_request_samples
-        self.input_shape = None if input_shape is None else tuple(input_shape)
+        self.blocks = _blocks_of(module)
+        self.meta = MetaBlocks(self.blocks)  # what the blocks take and return, known without computing
         if max_activation_bytes is None:
             max_activation_bytes = spare_bytes(module)
         if max_activation_bytes is None:
@@ -291,19 +301,22 @@ class StageServer(ServicerBase):
             if key is not None and not (isinstance(key, str) and 0 < len(key) <= 64):
                 raise SwarmRequestError("a kept forward's key must be a string of 1 to 64 characters")
             expected = 1 if kind == "forward" or key is not None else 2
-            if len(request.tensors) != expected:
+            tree = self._side_inputs_tree(metadata)
+            if len(request.tensors) < expected or (tree is None and len(request.tensors) != expected):
                 raise SwarmRequestError(f"{kind} expects {expected} tensor(s), got {len(request.tensors)}")
-            self._check_shapes(request.tensors, has_input=key is None)
+            self._check_shapes(request.tensors[:expected], request.tensors[expected:])
             if not self._tasks.admits(caller):  # before its tensors cost any decoding
                 raise self._busy()
             loss_scale = self._loss_scale(kind, metadata)
             # a scaled gradient may have overflowed upstream: a backward with it is skipped, not refused
             finite = [True] * (expected - 1) + [loss_scale is None]
-            loop = asyncio.get_running_loop()  # decoding and encoding run beside it, not on it
-            tensors = await loop.run_in_executor(None, lambda: list(map(self._decode, request.tensors, finite)))
-            batch = int(tensors[0].shape[0])
             train = bool(metadata.get("train", True))
-            future = self._submit(kind, tensors, train, batch, caller, key, loss_scale)
+            loop = asyncio.get_running_loop()  # decoding and encoding run beside it, not on it
+            tensors, calls = await loop.run_in_executor(
+                None, self._decode_request, request.tensors, expected, finite, tree, key is None, train
+            )
+            batch = int(tensors[0].shape[0])
+            future = self._submit(kind, tensors, train, batch, caller, key, loss_scale, calls)
             output = await asyncio.wrap_future(future)
             encoded = await loop.run_in_executor(None, compression.encode, output, codec)
         except (ActivationsLostError, NotServingError):
@@ -350,36 +363,65 @@ class StageServer(ServicerBase):
             metadata = {}
         self.policy.check_request(self.run_id, context, metadata if isinstance(metadata, dict) else {})
 
-    def _check_shapes(self, messages: Sequence[runtime_pb2.Tensor], has_input: bool) -> None:
-        """Refuse, from the tensors' headers alone, a request whose tensors claim no samples, too many, or more bytes
-        than the cap, or whose input (the first tensor, ``has_input``) does not match the stage's input signature."""
+    def _side_inputs_tree(self, metadata: dict) -> Optional[list]:
+        """The side inputs of the stage's blocks as a request lists them (None: none)."""
+        tree = metadata.get("calls")
+        if tree is not None and not (isinstance(tree, list) and len(tree) == len(self.blocks)):
+            raise SwarmRequestError(f"side inputs for the stage's {len(self.blocks)} blocks expected")
+        return tree
+
+    def _check_shapes(self, messages: Sequence[runtime_pb2.Tensor], sides: Sequence[runtime_pb2.Tensor]) -> None:
+        """Refuse, from the tensors' headers alone, a request whose activations (``messages``) claim no samples or too
+        many, or whose tensors claim more bytes than the cap."""
+        widest = max(d.itemsize for d in compression.DTYPES.values())
+        total = sum(math.prod(m.size) * max(d.itemsize for d in self.activation_dtypes) for m in messages)
+        total += sum(math.prod(m.size) * widest for m in sides)
         for message in messages:
             if not message.size:
                 raise SwarmRequestError("a tensor without a batch dimension")
-            if math.prod(message.size) * max(d.itemsize for d in self.activation_dtypes) > self.max_request_bytes:
-                raise SwarmRequestError(
-                    f"tensor of shape {list(message.size)} exceeds the cap of {self.max_request_bytes} bytes"
-                )
             if message.size[0] > self.max_request_samples:
                 raise SwarmRequestError(
                     f"a request may claim at most {self.max_request_samples} samples (max_request_samples), this one "
                     f"claims {message.size[0]}"
                 )
-        if has_input:
-            self._check_input_shape(list(messages[0].size))
+        if total > self.max_request_bytes:
+            shapes = [list(m.size) for m in [*messages, *sides]]
+            raise SwarmRequestError(f"tensors of shapes {shapes} exceed the cap of {self.max_request_bytes} bytes")
 
-    def _check_input_shape(self, shape: Sequence[int]) -> None:
-        """Refuse an input whose shape does not match the stage's input signature (if it is known yet): a tensor of
-        another shape may still pass the module (``[N, 1, C]`` for ``[N, T, C]``) and count as N samples."""
-        expected = self.input_shape
-        if expected is None:
-            return
-        sample = tuple(shape[1:])
-        if len(sample) != len(expected) or any(e is not None and e != n for e, n in zip(expected, sample)):
-            signature = ", ".join("*" if e is None else str(e) for e in expected)
-            raise SwarmRequestError(
-                f"input of shape {list(shape)} does not match stage {self.stage}'s input signature [batch, {signature}]"
-            )
+    def _decode_request(
+        self,
+        messages: Sequence[runtime_pb2.Tensor],
+        expected: int,
+        finite: list[bool],
+        tree: Optional[list],
+        has_input: bool,
+        train: bool,
+    ) -> tuple[list[torch.Tensor], list[Call]]:
+        """The request's activations (and gradient) and its blocks' calls, decoded on the stage's device; an input
+        the blocks do not take (on the meta device) is refused."""
+        tensors = list(map(self._decode, messages[:expected], finite))
+        if tree is None:
+            calls: list[Call] = [((), {})] * len(self.blocks)
+        else:
+            calls = block_calls.unpack(tree, [self._decode_side(m) for m in messages[expected:]], len(tree))
+        if has_input:
+            try:
+                self.meta.activation(0, tensors[0], calls, train)
+            except Exception as e:
+                raise SwarmRequestError(
+                    f"stage {self.stage}'s blocks do not take an input of shape {list(tensors[0].shape)} with these "
+                    f"side inputs: {e!r:.300}"
+                ) from None
+        return tensors, calls
+
+    def _decode_side(self, message: runtime_pb2.Tensor) -> torch.Tensor:
+        """A side input, exactly as sent (any dtype; masks may hold -inf)."""
+        try:
+            return compression.deserialize(message, device=self.device)
+        except Exception as e:
+            if _out_of_memory(e):
+                raise
+            raise SwarmRequestError(f"undecodable side input: {e!r}") from None
 
     def _check_uid(self, uid: str) -> None:
         if uid == self.uid:
@@ -423,13 +465,16 @@ class StageServer(ServicerBase):
         caller: str,
         key: Optional[str],
         loss_scale: Optional[float] = None,
+        calls: Optional[list[Call]] = None,
     ) -> Future:
         if not self._worker.is_alive():
             raise StageFailedError(f"stage {self.stage}'s worker is not running")
         future: Future = Future()
         caller_key = None if key is None else (caller, key)
+        calls = [((), {})] * len(self.blocks) if calls is None else calls
+        task = (kind, tensors, train, batch, caller_key, loss_scale, calls, future)
         try:
-            displaced = self._tasks.put(caller, (kind, tensors, train, batch, caller_key, loss_scale, future), batch)
+            displaced = self._tasks.put(caller, task, batch)
         except queue.Full:
             raise self._busy() from None
         self._queued_samples += batch
@@ -462,6 +507,7 @@ class StageServer(ServicerBase):
         batch: int,
         key: Optional[tuple],
         loss_scale: Optional[float],
+        calls: list[Call],
         future: Future,
     ) -> None:
         """Compute one request on the worker and answer it (its tensors are freed once this returns)."""
@@ -470,20 +516,18 @@ class StageServer(ServicerBase):
         if not future.set_running_or_notify_cancel():
             return
         start, error = time.perf_counter(), None
-        signature_known = self.input_shape is not None
         try:
             with self.lock:
                 if self.module.training != train:  # a walk over every submodule: not on every request
                     self.module.train(train)
-                output, accumulate = self._compute(kind, tensors, key, loss_scale)
+                output, accumulate = self._compute(kind, tensors, key, loss_scale, calls)
             self._synchronize()  # the time below is the compute's, not that of launching its kernels
         except (SwarmRequestError, ActivationsLostError) as e:
             future.set_exception(e)
             return
         except Exception as e:
-            if not _out_of_memory(e):  # on an input of the stage's signature, a failing module is the stage's fault
-                fault = StageFailedError if signature_known else SwarmRequestError
-                future.set_exception(fault(f"stage {self.stage} {kind} failed: {e!r}"))
+            if not _out_of_memory(e):  # on an input the blocks take (on meta), a failing block is the stage's fault
+                future.set_exception(StageFailedError(f"stage {self.stage} {kind} failed: {e!r}"))
                 return
             error = repr(e)  # handled below, once the failed call's frames (and the tensors they hold) are gone
         if error is not None:
@@ -492,10 +536,6 @@ class StageServer(ServicerBase):
             tensors.clear()  # the request's inputs, shared with the handler awaiting the answer
             future.set_exception(self._overloaded(kind, error))
             return
-        if self.input_shape is None and (kind == "forward" or key is None):
-            self.input_shape = tuple(tensors[0].shape[1:])
-            log.info("Stage %d learned its input signature: [batch, %s]", self.stage, list(self.input_shape))
-
         if self.throttle > 1:
             time.sleep((self.throttle - 1) * (time.perf_counter() - start))
         self.throughput.update(batch, interval=time.perf_counter() - start)  # compute only, not the step below
@@ -539,44 +579,51 @@ class StageServer(ServicerBase):
             log.warning("Stage %d: idle-time work failed: %r", self.stage, e)
 
     def _compute(
-        self, kind: str, tensors: list[torch.Tensor], key: Optional[tuple[str, str]], loss_scale: Optional[float]
+        self,
+        kind: str,
+        tensors: list[torch.Tensor],
+        key: Optional[tuple[str, str]],
+        loss_scale: Optional[float],
+        calls: list[Call],
     ) -> tuple[torch.Tensor, bool]:
         """The request's output, and whether the parameters' ``.grad`` now hold gradients to accumulate."""
-        if kind == "forward" or key is None:
-            self._check_input_shape(tensors[0].shape)  # again: a request checked before the signature was learned
         if kind == "forward":
             if self.optimizer is not None:
                 self.optimizer.apply_finished_update(wait=False)
-            output = self._forward(tensors[0]) if key is None else self._forward_and_keep(tensors[0], key)
-            return output, False
+            if key is None:
+                return self._forward(tensors[0], calls), False
+            return self._forward_and_keep(tensors[0], key, calls), False
         if key is None:
-            return self._backward(*tensors, loss_scale=loss_scale)
+            return self._backward(*tensors, loss_scale=loss_scale, calls=calls)
         return self._backward_kept(key, tensors[0], loss_scale)
 
     @torch.no_grad()
-    def _forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        with autocast(self.precision, self.device):
-            return self.module(inputs.to(self.device))
+    def _forward(self, inputs: torch.Tensor, calls: list[Call]) -> torch.Tensor:
+        return self._run(inputs.to(self.device), calls, checkpointed=False)
 
-    def _forward_and_keep(self, inputs: torch.Tensor, key: tuple[str, str]) -> torch.Tensor:
+    def _forward_and_keep(self, inputs: torch.Tensor, key: tuple[str, str], calls: list[Call]) -> torch.Tensor:
         inputs = inputs.to(self.device).requires_grad_()
         with torch.enable_grad(), counting_saved_bytes(self.params) as saved:
-            outputs = self._run(inputs)
+            outputs = self._run(inputs, calls)
         saved.count(inputs)  # the entry holds both, whether the graph saved them or not
         saved.count(outputs)
-        self.kept.put(key, Kept(inputs, outputs, saved.nbytes, self._params_version(), owner=key[0]))
+        self.kept.put(key, Kept(inputs, outputs, saved.nbytes, self._params_version(), calls, owner=key[0]))
         return outputs.detach()
 
-    def _run(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The stage's forward with autograd on, block by block under checkpointing if that is on (whose
-        recomputation restores the autocast state of the forward; an out-of-core stage recomputes anyway)."""
+    def _run(self, inputs: torch.Tensor, calls: list[Call], checkpointed: bool = True) -> torch.Tensor:
+        """The stage's blocks with their side inputs, in the Trainer's precision; under checkpointing (if on and
+        ``checkpointed``), block by block, each keeping only its input (its recomputation restores the forward's
+        autocast state). An out-of-core stage takes blocks called with the activation alone, and recomputes anyway."""
         with autocast(self.precision, self.device):
-            if not self.checkpoint_activations or isinstance(self.module, OutOfCoreStage):
+            if isinstance(self.module, OutOfCoreStage):
+                if any(args or kwargs for args, kwargs in calls):
+                    raise StageFailedError(
+                        f"stage {self.stage} is served out of core, which does not take side inputs yet: serve it "
+                        f"with out_of_core=False"
+                    )
                 return self.module(inputs)
-            hidden = inputs
-            for block in self.module.children() if isinstance(self.module, nn.Sequential) else [self.module]:
-                hidden = checkpoint(block, hidden, use_reentrant=False)
-            return hidden
+            wrap = partial(checkpoint, use_reentrant=False) if checkpointed and self.checkpoint_activations else None
+            return block_calls.run_blocks(self.blocks, inputs, calls, wrap)
 
     def _params_version(self) -> int:
         return sum(p._version for p in self.params)
@@ -590,16 +637,16 @@ class StageServer(ServicerBase):
         if kept.params_version != self._params_version():
             # the stage stepped since this forward: autograd refuses a graph whose saved parameters changed; the old
             # graph is let go before the forward is recomputed
-            inputs, kept = kept.inputs.detach(), None
-            return self._backward(inputs, grad_outputs, loss_scale)
+            inputs, calls, kept = kept.inputs.detach(), kept.calls, None
+            return self._backward(inputs, grad_outputs, loss_scale, calls)
         return self._backward_through(kept.inputs, kept.outputs, grad_outputs, loss_scale)
 
     def _backward(
-        self, inputs: torch.Tensor, grad_outputs: torch.Tensor, loss_scale: Optional[float] = None
+        self, inputs: torch.Tensor, grad_outputs: torch.Tensor, loss_scale: Optional[float], calls: list[Call]
     ) -> tuple[torch.Tensor, bool]:
         inputs = inputs.to(self.device).requires_grad_()
         with torch.enable_grad():
-            outputs = self._run(inputs)
+            outputs = self._run(inputs, calls)
         return self._backward_through(inputs, outputs, grad_outputs, loss_scale)
 
     def _backward_through(

@@ -11,17 +11,15 @@ import time
 
 import pytest
 import torch
-from helpers.stage import StageOptimizerStub
+from helpers.stage import InProcessRouter, StageOptimizerStub
 from hivemind.proto import runtime_pb2
 from torch import nn
 
 from lightning_swarm import compression, protocol
 from lightning_swarm.client.remote_pipeline import RemotePipeline
-from lightning_swarm.client.routing import RouterStats
 from lightning_swarm.errors import SwarmRequestError
 from lightning_swarm.precision import check_precision
 from lightning_swarm.server.stage_server import StageServer
-from lightning_swarm.transport import DirectRequest
 
 D = 16
 
@@ -223,24 +221,6 @@ def test_non_finite_gradients_without_a_loss_scale_and_bad_loss_scales_are_refus
     for scale in (0, -1.0, math.inf, "8", True):
         with pytest.raises(SwarmRequestError, match="loss_scale must be a positive finite number"):
             ask(server, "backward", [x, x], loss_scale=scale)
-
-
-class InProcessRouter:
-    """Routes every call straight to stage servers in this process, as StageRouter does for a peer's own stage."""
-
-    def __init__(self, servers: list[StageServer]) -> None:
-        self.servers, self.num_stages, self.stats = servers, len(servers), RouterStats()
-
-    def call(self, stage, method, messages, metadata, batch, prefer=None, check=None):
-        return self.call_peer(stage, "peer", method, messages, metadata, batch, check), "peer"
-
-    def call_peer(self, stage, peer, method, messages, metadata, batch, check=None):
-        server = self.servers[stage]
-        request = DirectRequest(server.uid, list(messages), protocol.encode_metadata(metadata))
-        reply = asyncio.run(server.answer_tensors(method, request))
-        if check is not None:  # the pipeline's check of the reply, as StageRouter applies it
-            check(reply)
-        return reply
 
 
 @pytest.mark.parametrize("init_scale", [2.0**12, 2.0**40], ids=["in range", "overflowing"])
