@@ -63,8 +63,9 @@ class SwarmSettings:
     """multiaddrs of any live peers (``/ip4/.../tcp/.../p2p/...``). None or empty: start a new swarm and log the
     address others join with."""
     pipeline: Optional[str] = field(default=None, metadata={CAST: str})
-    """attribute name of the ``nn.Sequential`` to cut into stages. None: the direct child ``nn.Sequential`` with
-    the most parameters."""
+    """dotted path of the container of blocks to cut into stages (an ``nn.Sequential``, ``nn.ModuleList`` or
+    ``nn.ModuleDict``, e.g. ``"model.model.layers"``). None: found automatically, the container whose repeated
+    blocks hold the most parameters."""
     role: Role = field(default="both", metadata={CAST: str})
     """``"both"`` serves a stage and trains on this process's data; ``"serve"`` only serves (``fit`` serves
     until the process receives SIGTERM or SIGINT); ``"drive"`` only sends its batches through the swarm."""
