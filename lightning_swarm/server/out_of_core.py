@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from lightning_swarm.block_calls import Call, activation_of
 from lightning_swarm.partitioning import materialize
 from lightning_swarm.precision import parameter_dtype
 
@@ -277,10 +278,12 @@ class _SwappedPass(torch.autograd.Function):
     reverse and returns the parameters' gradients on the host."""
 
     @staticmethod
-    def forward(ctx: Any, stage: OutOfCoreStage, inputs: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        ctx.stage = stage
+    def forward(
+        ctx: Any, stage: OutOfCoreStage, inputs: torch.Tensor, calls: list[Call], *params: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.stage, ctx.calls = stage, calls
         ctx.autocast = _autocast_state(stage.device)
-        outputs, block_inputs, ctx.rng = stage._forward_pass(inputs, keep=True)
+        outputs, block_inputs, ctx.rng = stage._forward_pass(inputs, keep=True, calls=calls)
         ctx.save_for_backward(*block_inputs)
         return outputs
 
@@ -288,9 +291,9 @@ class _SwappedPass(torch.autograd.Function):
     def backward(ctx: Any, grad_outputs: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         stage = ctx.stage
         grad_inputs, grads = stage._backward_pass(
-            list(ctx.saved_tensors), grad_outputs, ctx.rng, ctx.autocast, ctx.needs_input_grad[1]
+            list(ctx.saved_tensors), grad_outputs, ctx.rng, ctx.autocast, ctx.needs_input_grad[1], ctx.calls
         )
-        return (None, grad_inputs, *(grads.get(id(p)) for p in stage._params))
+        return (None, grad_inputs, None, *(grads.get(id(p)) for p in stage._params))
 
 
 def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype, bool]:
@@ -351,13 +354,15 @@ class OutOfCoreStage(nn.Module):
         self._cached.clear()
         return super()._apply(fn, recurse)
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, calls: Optional[list[Call]] = None) -> torch.Tensor:
+        """The blocks in turn, each called with the activation and its side inputs in ``calls`` (None: none)."""
+        calls = [((), {})] * len(self._blocks) if calls is None else calls
         if torch.is_grad_enabled() and (inputs.requires_grad or any(p.requires_grad for p in self._params)):
-            return _SwappedPass.apply(self, inputs, *self._params)
+            return _SwappedPass.apply(self, inputs, calls, *self._params)
         with torch.no_grad():
-            return self._forward_pass(inputs, keep=False)[0]
+            return self._forward_pass(inputs, keep=False, calls=calls)[0]
 
-    def _forward_pass(self, hidden: torch.Tensor, keep: bool) -> tuple[torch.Tensor, list, list]:
+    def _forward_pass(self, hidden: torch.Tensor, keep: bool, calls: list[Call]) -> tuple[torch.Tensor, list, list]:
         """The blocks in order without autograd; with ``keep`` (training), each block's input and random state too."""
         window, block_inputs, rng = _Window(self, range(len(self._blocks))), [], []
         timed = keep and 0 < self._unmeasured <= self._measure_passes  # the first training forward warms up
@@ -368,7 +373,8 @@ class OutOfCoreStage(nn.Module):
                     block_inputs.append(hidden)
                     rng.append(self._rng_state())
                 with self._timed(block) if timed else contextlib.nullcontext():
-                    hidden = functional_call(self._blocks[block], tensors, (hidden,))
+                    args, kwargs = calls[block]
+                    hidden = activation_of(functional_call(self._blocks[block], tensors, (hidden, *args), kwargs))
                 if self.training and any(True for _ in self._blocks[block].buffers()):
                     self._write_back_buffers(block, tensors)
                 window.release(step)
@@ -381,7 +387,13 @@ class OutOfCoreStage(nn.Module):
         return hidden, block_inputs, rng
 
     def _backward_pass(
-        self, block_inputs: list[torch.Tensor], grad: torch.Tensor, rng: list, autocast: tuple, input_grad: bool
+        self,
+        block_inputs: list[torch.Tensor],
+        grad: torch.Tensor,
+        rng: list,
+        autocast: tuple,
+        input_grad: bool,
+        calls: list[Call],
     ) -> tuple[Optional[torch.Tensor], dict[int, torch.Tensor]]:
         """Recompute and differentiate the blocks in reverse; the input's gradient and the parameters' (host) ones
         by ``id``. Unused parameters get zeros, as the resident stage server gives them."""
@@ -400,7 +412,8 @@ class OutOfCoreStage(nn.Module):
                     self._restored_rng(rng[block]),
                     torch.autocast(self.device.type, dtype=dtype, enabled=enabled, cache_enabled=cache),
                 ):
-                    outputs = functional_call(self._blocks[block], leaves, (hidden,))
+                    args, kwargs = calls[block]
+                    outputs = activation_of(functional_call(self._blocks[block], leaves, (hidden, *args), kwargs))
                 wanted = ([hidden] if wants_input else []) + [leaves[n] for n in trained]
                 found = torch.autograd.grad(outputs, wanted, grad, allow_unused=True) if wanted else ()
                 grad = found[0] if wants_input else None

@@ -613,15 +613,10 @@ class StageServer(ServicerBase):
     def _run(self, inputs: torch.Tensor, calls: list[Call], checkpointed: bool = True) -> torch.Tensor:
         """The stage's blocks with their side inputs, in the Trainer's precision; under checkpointing (if on and
         ``checkpointed``), block by block, each keeping only its input (its recomputation restores the forward's
-        autocast state). An out-of-core stage takes blocks called with the activation alone, and recomputes anyway."""
+        autocast state). An out-of-core stage recomputes anyway."""
         with autocast(self.precision, self.device):
             if isinstance(self.module, OutOfCoreStage):
-                if any(args or kwargs for args, kwargs in calls):
-                    raise StageFailedError(
-                        f"stage {self.stage} is served out of core, which does not take side inputs yet: serve it "
-                        f"with out_of_core=False"
-                    )
-                return self.module(inputs)
+                return self.module(inputs, calls)
             wrap = partial(checkpoint, use_reentrant=False) if checkpointed and self.checkpoint_activations else None
             return block_calls.run_blocks(self.blocks, inputs, calls, wrap)
 

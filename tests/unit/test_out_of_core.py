@@ -12,6 +12,7 @@ from gpt import Block
 from helpers.stage import StageOptimizerStub, ask
 from torch import nn
 
+from lightning_swarm import block_calls
 from lightning_swarm.server.out_of_core import (
     OutOfCoreStage,
     block_bytes,
@@ -177,3 +178,37 @@ def test_auto_goes_out_of_core_only_over_budget(caplog):
     assert [check_out_of_core(v) for v in ("auto", "on", "0", True)] == ["auto", True, False, True]
     with pytest.raises(ValueError, match="out_of_core"):
         check_out_of_core("sometimes")
+
+
+class SideInputBlock(nn.Module):
+    """A block called with side inputs, as transformers' layers are: a rotary-like table and a keyword mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, x, table, mask=None, scale=1.0):
+        h = torch.tanh(self.proj(x) * table) * scale
+        return (x + h.masked_fill(~mask[..., None], 0.0), None)
+
+
+def test_an_out_of_core_stage_takes_side_inputs_exactly_as_the_resident_one():
+    """Blocks called with side inputs (a table, a per-sample mask, a keyword number) and returning a tuple: the
+    swapped stage's outputs, input gradients and parameter gradients equal the resident stage's."""
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(SideInputBlock() for _ in range(4)))
+    resident, swapped = server(copy.deepcopy(blocks), []), server(swapping(copy.deepcopy(blocks), 1), [])
+    x, table, mask = torch.randn(3, 5, 32), torch.rand(5, 32), torch.rand(3, 5) > 0.3
+    tree, tensors = block_calls.pack([((table,), {"mask": mask, "scale": 0.5 + i}) for i in range(4)])
+    try:
+        answers = [
+            [ask(s, "forward", [x, *tensors], calls=tree, train=False) for s in (resident, swapped)],
+            [ask(s, "backward", [x, torch.ones_like(x), *tensors], calls=tree) for s in (resident, swapped)],
+        ]
+        for expected, got in answers:
+            assert torch.equal(got, expected)
+        for p, q in zip(resident.module.parameters(), swapped.module.parameters()):
+            assert torch.equal(p, q)  # both stepped on the same gradients
+    finally:
+        resident.shutdown()
+        swapped.shutdown()
