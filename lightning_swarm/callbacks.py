@@ -52,9 +52,10 @@ class SwarmMonitor(SwarmCallback):
 
     Logged: ``swarm/stage`` (this peer's stage, -1 if it serves none), ``swarm/peers``, ``swarm/step``,
     ``swarm/stage<k>_throughput`` (samples/s summed over the stage's peers) and ``swarm/stage<k>_peers``,
-    ``swarm/queue``, ``swarm/bytes_sent``, ``swarm/bytes_received``, ``swarm/compression_ratio`` (uncompressed over
-    sent bytes), ``swarm/failovers``, ``swarm/rebalances`` (stage changes seen) and ``swarm/samples_per_second``
-    (this trainer's, a running mean over ``window`` steps).
+    ``swarm/queue``, ``swarm/dropped_forwards`` (kept forwards this peer's stage server dropped before their
+    backward, which then recomputed them), ``swarm/bytes_sent``, ``swarm/bytes_received``,
+    ``swarm/compression_ratio`` (uncompressed over sent bytes), ``swarm/failovers``, ``swarm/rebalances`` (stage
+    changes seen) and ``swarm/samples_per_second`` (this trainer's, a running mean over ``window`` steps).
     A peer that only serves logs at each step of its stage instead of each training batch.
     """
 

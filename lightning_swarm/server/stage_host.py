@@ -331,18 +331,22 @@ class StageHost:
 
     def metrics(self, local_optimizer: Optional[Any] = None) -> dict[str, float]:
         """The swarm as this peer sees it: its stage, the peers, the step (of its stage, else of its local
-        optimizer), its queue, its traffic, its failed all-reduce rounds (of its stage's optimizer since it serves
-        that stage, and of its local one) with their time, and each stage's throughput and peers."""
+        optimizer), its queue, the kept forwards its stage server dropped before their backward came (past
+        ``max_activation_bytes`` or ``activation_timeout``: that backward recomputed the forward), its traffic, its
+        failed all-reduce rounds (of its stage's optimizer since it serves that stage, and of its local one) with
+        their time, and each stage's throughput and peers."""
         view = self._watcher.latest if self._watcher is not None and self._watcher.latest is not None else []
         serving = [[r for r in stage.values() if r.state == PeerState.SERVING] for stage in view]
         peers = {r.peer_id for stage in serving for r in stage} | set(self._watcher.drivers if self._watcher else ())
         optimizer = (self.stage.optimizer if self.stage is not None else None) or local_optimizer
         stats = self.router.stats if self.router is not None else None
+        info = self.server.info() if self.server is not None else None
         metrics = {
             "stage": float(-1 if self.stage is None else self.stage.index),
             "peers": float(len(peers)),
             "step": float(getattr(optimizer, "local_epoch", 0)),
-            "queue": float(self.server.info()["queued_samples"] if self.server is not None else 0),
+            "queue": float(info["queued_samples"] if info is not None else 0),
+            "dropped_forwards": float(info["dropped_forwards"] if info is not None else 0),
             "bytes_sent": float(stats.bytes_sent if stats else 0),
             "bytes_received": float(stats.bytes_received if stats else 0),
             "compression_ratio": float(stats.raw_bytes_sent / stats.bytes_sent if stats and stats.bytes_sent else 1),

@@ -251,6 +251,7 @@ class StageServer(ServicerBase):
             skipped_samples=self.skipped_samples,
             kept_bytes=self.kept.nbytes,
             kept_forwards=len(self.kept),
+            dropped_forwards=self.kept.dropped,  # kept forwards given up before their backward: it recomputes them
             device_memory=device_memory.usage(self.device),
             **(self.optimizer.progress() if self.optimizer is not None else {}),
         )

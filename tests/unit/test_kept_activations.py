@@ -80,12 +80,14 @@ def test_memory_and_time_bounds_drop_the_oldest(make_server):
     ask(server, "forward", [x], keep="first")
     ask(server, "forward", [x], keep="second")  # over the cap: "first" is dropped
     assert len(server.kept) == 1 and server.kept.dropped == 1 and server.kept.nbytes == one
+    assert server.info()["dropped_forwards"] == 1  # reported, with the stage's metrics (swarm/dropped_forwards)
     with pytest.raises(ActivationsLostError):
         ask(server, "backward", [g], kept="first")
     ask(server, "backward", [x, g])  # the fallback: recompute from the input
     time.sleep(0.3)
     server.kept.expire()
     assert len(server.kept) == 0 and server.kept.nbytes == 0 and server.kept.dropped == 2
+    assert server.info()["dropped_forwards"] == 2
 
 
 def test_a_step_between_forward_and_backward_recomputes_with_the_new_parameters(make_server):
