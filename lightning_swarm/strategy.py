@@ -294,12 +294,6 @@ class SwarmStrategy(Strategy):
         if self._pipeline is not None:  # else the pipeline was not cut yet: the state dict holds the whole model
             checkpointing.add_stages(checkpoint, self._pipeline, self._spans, self.host)
 
-    def claim_checkpoint(self, filepath: str, ttl: float = 60.0) -> bool:
-        """Whether this peer writes ``filepath`` (:func:`lightning_swarm.checkpointing.claim`): the others skip it.
-        Peers that want copies of their own save to different paths (even on separate disks, the same absolute
-        path is written by one peer)."""
-        return checkpointing.claim(self.node, self.run_id, filepath, ttl, settle=min(1.0, self.update_period))
-
     def teardown(self) -> None:
         if self.host is not None:
             if self.host.server is not None and self.role != "serve" and self._failure is None:

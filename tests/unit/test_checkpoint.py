@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from lightning_swarm.checkpointing import CONSISTENT_KEY, STAGE_STEPS_KEY, record_stage_steps
+from lightning_swarm.checkpointing import CONSISTENT_KEY, STAGE_STEPS_KEY, claim, record_stage_steps
 from lightning_swarm.node import SwarmNode
 
 
@@ -15,22 +15,21 @@ def test_one_peer_writes_a_checkpoint_path(tmp_path):
     """Peers saving the same path at once: exactly one (the smallest peer id) writes it; other paths are free."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from lightning_swarm import SwarmStrategy
-
-    strategies = [SwarmStrategy(run_id="claims", update_period=0.5) for _ in range(3)]
     first = SwarmNode().start()
     nodes = [first, *(SwarmNode(first.visible_maddrs()).start() for _ in range(2))]
+
+    def claims(node: SwarmNode, path: str) -> bool:
+        return claim(node, "claims", path, settle=0.5)
+
     try:
-        for strategy, node in zip(strategies, nodes):
-            strategy.node = node
         path = str(tmp_path / "last.ckpt")
         with ThreadPoolExecutor(3) as pool:
-            claimed = list(pool.map(lambda s: s.claim_checkpoint(path), strategies))
+            claimed = list(pool.map(lambda node: claims(node, path), nodes))
         smallest = min(range(3), key=lambda i: str(nodes[i].peer_id))
         assert claimed == [i == smallest for i in range(3)]
-        assert all(s.claim_checkpoint(str(tmp_path / f"own{i}.ckpt")) for i, s in enumerate(strategies))
-        loser = next(s for i, s in enumerate(strategies) if i != smallest)
-        assert not loser.claim_checkpoint(path)  # the writer's claim is still fresh
+        assert all(claims(node, str(tmp_path / f"own{i}.ckpt")) for i, node in enumerate(nodes))
+        loser = next(node for i, node in enumerate(nodes) if i != smallest)
+        assert not claims(loser, path)  # the writer's claim is still fresh
     finally:
         for node in nodes:
             node.shutdown()
