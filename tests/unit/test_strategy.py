@@ -3,6 +3,7 @@ from the run), and the router's counters it hands out."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import threading
@@ -12,14 +13,18 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
+from helpers.stage import ask, blocks
 from torch import nn
 
 import lightning_swarm
-from lightning_swarm.client.routing import RouterStats
+from lightning_swarm import compression
+from lightning_swarm import strategy as strategy_module
+from lightning_swarm.client.routing import PeerLoad, RouterStats, StageRouter
+from lightning_swarm.discovery import PeerRecord, PeerState
 from lightning_swarm.events import EventQueue
 from lightning_swarm.node import SwarmNode
-from lightning_swarm.optimizer import train_batch_size
 from lightning_swarm.server.stage_host import StageHost
+from lightning_swarm.server.stage_server import StageServer
 from lightning_swarm.settings import SwarmSettings
 from lightning_swarm.strategy import SwarmStrategy
 
@@ -89,40 +94,79 @@ class _Regression(L.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=self.loader_batch_size)
 
 
-class _BatchSizeSeen(L.Callback):
-    def setup(self, trainer, pl_module, stage):
-        self.seen = train_batch_size(trainer)
+class _NoNetwork:
+    """What the strategy's setup asks of its SwarmNode, without starting one."""
+
+    dht, daemon_pid, policy = None, None, None
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def start(self) -> _NoNetwork:
+        return self
+
+    def publish_addresses(self, address_file=None) -> list[str]:
+        return []
+
+    def shutdown(self) -> None:
+        pass
+
+
+class _Wrapped(Exception):
+    """Raised where the strategy wraps the local optimizer, with the target batch size it computed."""
 
 
 @pytest.mark.parametrize("given", ["module", "fit", "datamodule"])
-def test_target_batch_size_defaults_to_the_train_dataloaders_batch_size(given):
-    """Without target_batch_size, a peer starts from its batch size, read (when the strategy sets up) from its
-    datamodule's ``batch_size`` or else from its train DataLoader, however ``fit`` got it."""
-    module, seen = _Regression(loader_batch_size=3), _BatchSizeSeen()
-    trainer = L.Trainer(max_steps=1, callbacks=[seen], logger=False, enable_checkpointing=False, barebones=True)
-    if given == "module":
-        trainer.fit(module)
-    elif given == "fit":
-        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(torch.zeros(8, 2), batch_size=5))
-    else:
-        datamodule = L.LightningDataModule.from_datasets(
-            torch.utils.data.TensorDataset(torch.zeros(8, 2)), batch_size=6
-        )
-        trainer.fit(module, datamodule=datamodule)
-    assert seen.seen == {"module": 3, "fit": 5, "datamodule": 6}[given]
+def test_target_batch_size_defaults_to_the_train_dataloaders_batch_size(given, monkeypatch, no_swarm_env):
+    """Without target_batch_size, a peer starts from its batch size, read when the swarm strategy sets up (as it
+    wraps the local optimizer) from its datamodule's ``batch_size`` or else from its train DataLoader, however
+    ``fit`` got it. The Trainer runs the swarm strategy; only its network (the node, cutting and serving the
+    pipeline, hivemind's optimizer) is left out."""
+
+    def swarm_optimizer(dht, prefix, optimizer, target, *timing, delayed=False):
+        raise _Wrapped(target)
+
+    monkeypatch.setattr(strategy_module, "SwarmNode", _NoNetwork)
+    monkeypatch.setattr(SwarmStrategy, "_partition_and_serve", lambda self, trainer, fitting: None)
+    monkeypatch.setattr(strategy_module, "swarm_optimizer", swarm_optimizer)
+    module = _Regression(loader_batch_size=3)
+    trainer = L.Trainer(strategy=SwarmStrategy(), max_steps=1, logger=False, enable_checkpointing=False, barebones=True)
+    with pytest.raises(_Wrapped) as wrapped:
+        if given == "module":
+            trainer.fit(module)
+        elif given == "fit":
+            trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(torch.zeros(8, 2), batch_size=5))
+        else:
+            datamodule = L.LightningDataModule.from_datasets(
+                torch.utils.data.TensorDataset(torch.zeros(8, 2)), batch_size=6
+            )
+            trainer.fit(module, datamodule=datamodule)
+    expected = {"module": 3, "fit": 5, "datamodule": 6}[given]
+    assert wrapped.value.args == (expected,) and trainer.strategy.target_batch_size == expected
 
 
 def test_router_stats_are_a_copy_of_the_routers_counters():
-    """Callbacks read the router's counters through the strategy, as a copy the router's threads do not change."""
+    """Callbacks read the router's counters through the strategy, as a copy the router's threads do not change: a
+    real router's counters after a call through it, unchanged in the copy by the calls that follow."""
     strategy = SwarmStrategy()
     assert strategy.router_stats == RouterStats()  # before fit: no router
-    strategy.router = SimpleNamespace(stats=RouterStats(calls=3, failovers=1, seconds={0: 0.5}, chosen={"a": 3}))
-    stats = strategy.router_stats
-    assert stats == strategy.router.stats
-    strategy.router.stats.add(calls=1)
-    strategy.router.stats.chosen["a"] += 1
-    strategy.router.stats.seconds[1] = 0.2
-    assert (stats.calls, stats.chosen, stats.seconds) == (3, {"a": 3}, {0: 0.5})
+    node = SimpleNamespace(peer_id="me", policy=None, run=lambda coroutine, timeout=None: asyncio.run(coroutine))
+    router = StageRouter(node, "run", 1, refresh_period=float("inf"))
+    router._peers[0] = {"me": PeerLoad(PeerRecord("me", 0, PeerState.SERVING, 1.0, 0))}
+    router.local_server = StageServer("run", 0, nn.Linear(4, 4), torch.device("cpu"))
+    strategy.router = router
+    x = compression.encode(torch.randn(2, 4), "none")
+    try:
+        router.call(0, "forward", [x], {"codec": "none"}, 2)
+        stats = strategy.router_stats
+        assert (stats.calls, stats.chosen, stats.bytes_sent) == (1, {"me": 1}, 2 * 4 * 4), stats
+        assert stats == router.stats and stats.seconds.keys() == {0}
+        seconds = dict(stats.seconds)
+        router.call(0, "forward", [x], {"codec": "none"}, 2)
+        assert router.stats.calls == 2 and router.stats.chosen == {"me": 2} and router.stats.seconds != seconds
+        assert (stats.calls, stats.chosen, stats.seconds, stats.bytes_sent) == (1, {"me": 1}, seconds, 32)
+    finally:
+        router.local_server.shutdown()
 
 
 def test_the_demo_reports_the_failed_rounds_of_the_stage_and_the_local_optimizer(tmp_path, monkeypatch):
@@ -145,7 +189,15 @@ def test_the_demo_reports_the_failed_rounds_of_the_stage_and_the_local_optimizer
         strategy.optimizers = [local]
         metrics = strategy.swarm_metrics()
         assert (metrics["stage"], metrics["rounds"], metrics["failed_rounds"]) == (1.0, 13.0, 3.0)
-        assert metrics["failed_round_seconds"] == 4.5
+        assert metrics["failed_round_seconds"] == 4.5 and metrics["dropped_forwards"] == 0.0
+
+        host.server = StageServer("run", 1, blocks(), torch.device("cpu"), max_activation_bytes=1)
+        try:  # a kept forward over the cap is dropped: its backward will recompute it
+            ask(host.server, "forward", [torch.randn(2, 16)], keep="k")
+            assert strategy.swarm_metrics()["dropped_forwards"] == 1.0
+        finally:
+            host.server.shutdown()
+            host.server = None
         history = gpt.History(str(tmp_path / "history.json"))
         history.write(SimpleNamespace(strategy=strategy))
         written = json.loads((tmp_path / "history.json").read_text())
