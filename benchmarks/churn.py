@@ -26,14 +26,16 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 from harness import GPT, script_parser  # noqa: E402
+from helpers.oracles import best_allocation  # noqa: E402
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
 
 from lightning_swarm import discovery  # noqa: E402
 from lightning_swarm.launch import LocalSwarm  # noqa: E402
 from lightning_swarm.node import SwarmNode  # noqa: E402
-from lightning_swarm.rebalancing import best_allocation, capacities  # noqa: E402
+from lightning_swarm.rebalancing import capacities  # noqa: E402
 
 STAGES = 3
 MODEL = ["--d-model", "64", "--n-layer", "3", "--n-head", "2", "--block-size", "32", "--batch-size", "8"]

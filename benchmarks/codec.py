@@ -28,7 +28,9 @@ from hivemind.proto import runtime_pb2  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
 from harness import script_parser  # noqa: E402
+from helpers.oracles import error_bound  # noqa: E402
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
 
 from lightning_swarm import compression  # noqa: E402
@@ -79,7 +81,7 @@ def measure(tensor: torch.Tensor, repeats: int) -> list[dict]:
     rows = []
     for codec, (_, decode) in functions.items():
         error = (decode(messages[codec]).cpu() - reference).abs()
-        bound = compression.error_bound(reference, "8bit" if codec == HIVEMIND else codec)
+        bound = error_bound(reference, "8bit" if codec == HIVEMIND else codec)
         rows.append(
             {
                 "device": tensor.device.type,
@@ -151,8 +153,8 @@ def write(rows: list[dict], path: Path, smoke: bool, repeats: int) -> None:
         f"one torch thread, median of {repeats} repeats (the codecs take turns). MB/s: MB (10^6 bytes) of fp32 input "
         "per second. Wire: the serialized message's bytes as a fraction of the fp32 bytes (target for 8-bit: at most "
         "0.27). Max error: the largest absolute error; relative: that error over the tensor's largest absolute value; "
-        "bound: whether every element is within `compression.error_bound`. `hivemind 8-bit`: hivemind's "
-        "`BLOCKWISE_8BIT` serializer (host only).",
+        "bound: whether every element is within `error_bound` (tests/helpers/oracles.py). `hivemind 8-bit`: "
+        "hivemind's `BLOCKWISE_8BIT` serializer (host only).",
         "",
         *table(
             ["device", "tensor", "codec", "encode MB/s", "decode MB/s", "wire / fp32", "max error", "relative"]

@@ -141,23 +141,6 @@ def decoded_dtype(message: runtime_pb2.Tensor) -> torch.dtype:
     return _dtype(message.dtype.removesuffix(EIGHT_BIT_TAG))
 
 
-def error_bound(tensor: torch.Tensor, codec: str) -> torch.Tensor:
-    """The largest elementwise error ``deserialize(serialize(tensor, codec))`` may have, per element."""
-    if codec == "none" or not tensor.is_floating_point():
-        return torch.zeros_like(tensor, dtype=torch.float32)
-    flat = tensor.detach().float().flatten()
-    if codec == "float16":  # round to nearest: half an ulp of float16 (10 mantissa bits), min normal spacing
-        return (flat.abs() * 2.0**-11 + 2.0**-25).view(tensor.shape)
-    # a value is coded by one of the two codes that bracket it (scaled by its block's absmax), then rounded to the
-    # dtype it is decoded to (float32 arithmetic at best)
-    max_gap = float(_code_table(torch.device("cpu")).sort().values.diff().max())
-    rounding = max(torch.finfo(tensor.dtype).eps, torch.finfo(torch.float32).eps)
-    padded = torch.nn.functional.pad(flat, (0, (-flat.numel()) % BLOCK_SIZE))
-    absmax = padded.view(-1, BLOCK_SIZE).abs().amax(dim=1, keepdim=True)
-    bound = (absmax * (max_gap + rounding)).expand(-1, BLOCK_SIZE).flatten()[: flat.numel()]
-    return bound.view(tensor.shape)
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -79,29 +79,6 @@ def capacities(allocation: dict[str, int], throughput: dict[str, float], num_sta
     return totals
 
 
-def best_allocation(throughput: dict[str, float], num_stages: int) -> float:
-    """The highest swarm throughput any allocation of these peers reaches (exhaustive; for small swarms)."""
-    peers = sorted(throughput, key=throughput.get, reverse=True)
-    best = 0.0
-
-    def place(i: int, totals: list[float]) -> None:
-        nonlocal best
-        if i == len(peers):
-            best = max(best, min(totals))
-            return
-        seen = set()
-        for k in range(num_stages):
-            if totals[k] in seen:  # stages with equal totals are interchangeable
-                continue
-            seen.add(totals[k])
-            totals[k] += throughput[peers[i]]
-            place(i + 1, totals)
-            totals[k] -= throughput[peers[i]]
-
-    place(0, [0.0] * num_stages)
-    return best
-
-
 def make_plan(swarm: list[dict[str, PeerRecord]], round_: int = 0, margin: float = DEFAULT_MARGIN) -> Plan:
     """The plan every peer computes from the same records (see the module docstring)."""
     num_stages = len(swarm)

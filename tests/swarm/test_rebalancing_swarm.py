@@ -7,12 +7,13 @@ import math
 import time
 
 from helpers import FAST, history
+from helpers.oracles import best_allocation
 from helpers.raw_client import RawClient, bytes_of, wait_until_serving
 
 from lightning_swarm import discovery
 from lightning_swarm.discovery import PeerState
 from lightning_swarm.node import SwarmNode
-from lightning_swarm.rebalancing import best_allocation, capacities
+from lightning_swarm.rebalancing import capacities
 
 PERIOD = 12.0  # seconds between rebalancing rounds
 THREE_BLOCKS = ["--d-model", "32", "--n-layer", "3", "--n-head", "2", "--block-size", "32", "--batch-size", "8"]

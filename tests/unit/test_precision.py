@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from helpers.oracles import error_bound
 from helpers.stage import InProcessRouter, StageOptimizerStub
 from hivemind.proto import runtime_pb2
 from torch import nn
@@ -115,7 +116,7 @@ def test_bf16_mixed_activations_travel_as_bf16_through_the_8bit_codec(make_serve
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         expected = server.module(x)
     assert y.dtype == torch.bfloat16
-    assert (y.float() - expected.float()).abs().max() <= compression.error_bound(expected, "8bit").max()
+    assert (y.float() - expected.float()).abs().max() <= error_bound(expected, "8bit").max()
 
 
 @pytest.mark.parametrize("precision, dtype", [("bf16-true", torch.bfloat16), ("64-true", torch.float64)])

@@ -7,10 +7,11 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from helpers.oracles import best_allocation
 
 from lightning_swarm import rebalancing
 from lightning_swarm.discovery import PeerRecord, PeerState
-from lightning_swarm.rebalancing import Plan, Rebalancer, best_allocation, bottleneck, capacities, make_plan
+from lightning_swarm.rebalancing import Plan, Rebalancer, bottleneck, capacities, make_plan
 
 
 def records(allocation: dict[str, int], throughput: dict[str, float], num_stages: int, **states) -> list[dict]:
