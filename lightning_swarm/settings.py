@@ -70,7 +70,9 @@ class SwarmSettings:
     """``"both"`` serves a stage and trains on this process's data; ``"serve"`` only serves (``fit`` serves
     until the process receives SIGTERM or SIGINT); ``"drive"`` only sends its batches through the swarm."""
     stage: Optional[int] = field(default=None, metadata={CAST: int})
-    """the stage to serve. None: the stage with the fewest peers when this peer joins."""
+    """the stage to serve. None: the bottleneck when this peer joins, the stage with the lowest capacity (its
+    peers' summed throughput, a peer not measured yet counting as the median one; so while none is measured, the
+    stage with the fewest peers), a stage without peers first."""
     target_batch_size: Optional[int] = field(default=None, metadata={CAST: int})
     """samples (summed over the swarm) after which a stage, and the local parameters, take an optimizer step.
     None: this peer's batch size, from ``datamodule.batch_size`` or else the train DataLoader's ``batch_size``."""
@@ -116,8 +118,10 @@ class SwarmSettings:
     """multiaddrs other peers should dial (e.g. a public IP), when they differ from host_maddrs."""
     direct_path: bool = field(default=True, metadata={CAST: flag})
     """activations and gradients travel on a direct TCP connection (ZeroMQ) between a trainer and a stage server
-    instead of through libp2p's daemon (several times faster); every connection first proves the swarm's
-    membership over libp2p. Payloads are not encrypted on it: see docs/multi_machine.md. A peer whose direct
+    instead of through libp2p's daemon: 8.6-11x libp2p's transfer rate on loopback (4-64 MiB), and end to end
+    0.58-1.39x its samples per second on a shared 2-core CPU machine (the gain shows where moving activations costs
+    more than computing them; benchmarks/RESULTS.md). Every connection first proves the swarm's membership over
+    libp2p. Payloads are not encrypted on it: see docs/multi_machine.md. A peer whose direct
     address cannot be reached is called over libp2p. Default True."""
     direct_port: int = field(default=0, metadata={CAST: int})
     """TCP port of this peer's direct path, on the IP of ``host_maddrs`` (advertised with the IP of
