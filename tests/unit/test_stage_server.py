@@ -47,7 +47,8 @@ def test_any_input_the_blocks_take_is_served_others_and_too_many_samples_are_ref
         x = torch.randn(4, 8, 16)
         for wrong in (torch.randn(4, 8, 15), torch.randn(4, 16, 8)):
             for kind, tensors in (("forward", [wrong]), ("backward", [wrong, wrong])):
-                with pytest.raises(SwarmRequestError, match=re.escape(f"do not take an input of shape {list(wrong.shape)}")):
+                refused = re.escape(f"do not take an input of shape {list(wrong.shape)}")
+                with pytest.raises(SwarmRequestError, match=refused):
                     ask(server, kind, tensors)
         too_many = torch.randn(17, 8, 16)
         for kind, tensors in (("forward", [too_many]), ("backward", [x, too_many]), ("backward", [too_many] * 2)):
