@@ -8,7 +8,8 @@ anything else (a KV-cache object, say) cannot cross the wire and is refused with
 
 On the wire a stage request carries, per block it runs, ``[args, kwargs]`` as a msgpack tree whose tensors are
 references (``["t", i]``) into the request's tensors after the activation: a tensor passed to several blocks (the
-rotary table to every layer) is sent once per request. Side-input tensors are sent exactly, never lossy-compressed.
+rotary table to every layer) is sent once per request, and an expanded view (a mask broadcast over the batch) as
+the data it expands (``["x", i, shape]``). Side-input tensors are sent exactly, never lossy-compressed.
 
 What a block returns for given inputs is known without asking any peer: a copy of the blocks on the meta device
 (:func:`meta_copy`) computes the output's shape and dtype (:class:`MetaBlocks`), which is what callers check replies
@@ -89,7 +90,9 @@ def pack(calls: Sequence[Call]) -> tuple[list, list[torch.Tensor]]:
         if isinstance(value, torch.Tensor):
             if id(value) not in index:
                 index[id(value)] = len(tensors)
-                tensors.append(value)
+                tensors.append(_unexpanded(value))
+            if tensors[index[id(value)]].shape != value.shape:
+                return ["x", index[id(value)], list(value.shape)]
             return ["t", index[id(value)]]
         if isinstance(value, (tuple, list)):
             return ["tuple" if isinstance(value, tuple) else "list", [node(v) for v in value]]
@@ -100,9 +103,21 @@ def pack(calls: Sequence[Call]) -> tuple[list, list[torch.Tensor]]:
     return [[node(tuple(args)), node(dict(kwargs))] for args, kwargs in calls], tensors
 
 
+def _unexpanded(tensor: torch.Tensor) -> torch.Tensor:
+    """The data an expanded view repeats: ``tensor`` with each dimension of stride 0 cut to size 1."""
+    if all(stride or size <= 1 for stride, size in zip(tensor.stride(), tensor.shape)):
+        return tensor
+    return tensor[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in tensor.stride())]
+
+
 def unpack(tree: Any, tensors: Sequence[torch.Tensor], blocks: int) -> list[Call]:
     """The calls a request's tree describes, for ``blocks`` blocks; :class:`SwarmRequestError` if it is malformed."""
     count = [0]
+
+    def tensor(i: Any) -> torch.Tensor:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(tensors):
+            raise SwarmRequestError(f"side input references tensor {i!r} of {len(tensors)}")
+        return tensors[i]
 
     def value(node: Any, depth: int) -> Any:
         count[0] += 1
@@ -110,13 +125,21 @@ def unpack(tree: Any, tensors: Sequence[torch.Tensor], blocks: int) -> list[Call
             raise SwarmRequestError(f"side inputs nest deeper than {MAX_DEPTH} or hold more than {MAX_NODES} values")
         if isinstance(node, _SCALARS):
             return node
-        if not (isinstance(node, list) and len(node) == 2):
+        if not (isinstance(node, list) and len(node) in (2, 3)):
             raise SwarmRequestError(f"malformed side input {node!r:.80}")
-        tag, body = node
+        tag, body = node[:2]
+        if len(node) == 3 and tag != "x":
+            raise SwarmRequestError(f"malformed side input {node!r:.80}")
         if tag == "t":
-            if isinstance(body, bool) or not isinstance(body, int) or not 0 <= body < len(tensors):
-                raise SwarmRequestError(f"side input references tensor {body!r} of {len(tensors)}")
-            return tensors[body]
+            return tensor(body)
+        if tag == "x" and isinstance(node, list) and len(node) == 3:
+            shape = node[2]
+            if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
+                raise SwarmRequestError(f"malformed expanded side input {node!r:.80}")
+            try:
+                return tensor(body).expand(shape)
+            except RuntimeError as e:
+                raise SwarmRequestError(f"side input cannot expand to {shape}: {e}") from None
         if tag in ("tuple", "list") and isinstance(body, list):
             items = [value(v, depth + 1) for v in body]
             return tuple(items) if tag == "tuple" else items

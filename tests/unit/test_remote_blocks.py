@@ -51,7 +51,8 @@ class Model(nn.Module):
         t = x.shape[1]
         table = torch.arange(t * D).view(t, D).float()
         cos, sin = torch.cos(table / 7.0), torch.sin(table / 5.0)
-        masks = {"full": torch.ones(x.shape[:2], dtype=torch.bool), "sliding": torch.arange(t) < t - 1}
+        # the full mask broadcast over the batch (an expanded view, sent as its one row)
+        masks = {"full": torch.ones(1, t, dtype=torch.bool).expand(x.shape[0], t), "sliding": torch.arange(t) < t - 1}
         masks["sliding"] = masks["sliding"].expand(x.shape[0], t).clone()
         masks["sliding"][0, 0] = False
         seen = []
@@ -189,6 +190,8 @@ def test_a_stage_refuses_side_inputs_its_blocks_do_not_take():
             ([[["tuple", []], 3], empty], "each block's side inputs"),
             ([[["tuple", [["t", 7]]], ["dict", []]], empty], "references tensor 7"),
             ([empty], "side inputs for the stage's 2 blocks"),
+            ([[["tuple", [["x", 0, [2, 4, 8]], ["t", 0]]], ["dict", []]], empty], "cannot expand to \\[2, 4, 8\\]"),
+            ([[["tuple", [["t", 0, [3]], ["t", 0]]], ["dict", []]], empty], "malformed side input"),
         ]
         for tree, message in malformed:
             with pytest.raises(SwarmRequestError, match=message):
