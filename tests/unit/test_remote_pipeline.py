@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 
@@ -13,22 +12,32 @@ from lightning_swarm.client.routing import RouterStats
 
 
 class EchoRouter:
-    """Stands in for a StageRouter: every stage answers its input back after a while, checked as the router checks
-    replies; records the calls' batch sizes and how many were in flight at once."""
+    """Stands in for a StageRouter: every stage answers its input back, checked as the router checks replies;
+    records the calls' batch sizes and how many were in flight at once. With ``together`` set, a call to a stage
+    is answered only once that many calls to the stage are in flight (a barrier: calls made one after another
+    never pass it, and fail after ``patience`` seconds)."""
 
     num_stages = 2
 
-    def __init__(self) -> None:
+    def __init__(self, patience: float = 30.0) -> None:
         self.stats, self.lock, self.active, self.most, self.batches = RouterStats(), threading.Lock(), 0, 0, []
+        self.patience, self.barriers = patience, None
+
+    def together(self, count: int) -> None:
+        self.barriers = [threading.Barrier(count, timeout=self.patience) for _ in range(self.num_stages)]
+        self.batches, self.most = [], 0
 
     def call(self, stage, method, messages, metadata, batch, prefer=None, check=None):
         with self.lock:
             self.active += 1
             self.most = max(self.most, self.active)
             self.batches.append(batch)
-        time.sleep(0.05)
-        with self.lock:
-            self.active -= 1
+        try:
+            if self.barriers is not None:
+                self.barriers[stage].wait()
+        finally:
+            with self.lock:
+                self.active -= 1
         check([messages[-1]])
         return [messages[-1]], "peer"
 
@@ -37,12 +46,14 @@ class EchoRouter:
 
 
 def test_auto_microbatches_are_resolved_per_batch_and_travel_concurrently():
-    """One pipeline, batches of different sizes: each is split by the rule, all its microbatches in flight at once."""
+    """One pipeline, batches of different sizes: each is split by the rule, and all its microbatches are in flight
+    at each stage at once: a stage answers only when every microbatch of the batch has called it (if the pipeline
+    sent them one after another, the first would wait for the others in vain)."""
     router = EchoRouter()
     pipeline = RemotePipeline(router, codec="none")
     try:
         for batch_size, count in [(8, 4), (6, 3), (5, 1)]:
-            router.batches, router.most = [], 0
+            router.together(count)
             x = torch.randn(batch_size, 3)
             with torch.no_grad():
                 assert torch.equal(pipeline(x), x)
