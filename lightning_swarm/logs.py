@@ -9,7 +9,7 @@ import math
 import sys
 import threading
 import time
-from typing import Hashable
+from typing import Callable, Hashable
 
 from hivemind.utils.logging import CustomFormatter
 
@@ -112,15 +112,15 @@ def quiet_hivemind_noise() -> None:
 
 
 class RateLimit:
-    """Whether a repeated line is due: at most once per ``period`` seconds for each key (thread-safe)."""
+    """Whether a repeated line is due: at most once per ``period`` seconds of ``clock`` for each key (thread-safe)."""
 
-    def __init__(self, period: float) -> None:
-        self.period = period
+    def __init__(self, period: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.period, self.clock = period, clock
         self._last: dict[Hashable, float] = {}
         self._lock = threading.Lock()
 
     def __call__(self, key: Hashable = None) -> bool:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             if now - self._last.get(key, -math.inf) < self.period:
                 return False

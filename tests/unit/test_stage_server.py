@@ -19,6 +19,7 @@ from hivemind.proto import runtime_pb2
 
 from lightning_swarm import compression, protocol
 from lightning_swarm.errors import PeerNotAllowedError, StageBusyError, SwarmRequestError
+from lightning_swarm.logs import RateLimit
 from lightning_swarm.security import AUTH_FIELD, AccessPolicy, create_identity
 from lightning_swarm.server.stage_server import BUSY_HOLD, StageServer
 
@@ -154,37 +155,81 @@ def test_each_request_runs_in_the_mode_it_asks_for():
         server.shutdown()
 
 
+class WatchedLock:
+    """A stage server's lock that says when its worker waits for it (to compute a request the test holds up)."""
+
+    def __init__(self) -> None:
+        self._lock, self.waited = threading.Lock(), threading.Event()
+
+    def acquire(self, *args) -> bool:
+        return self._lock.acquire(*args)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> WatchedLock:
+        self.waited.set()
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+
+async def until(condition, what: str, patience: float = 30.0) -> None:
+    """Let the event loop run until ``condition()`` holds (failing after ``patience`` seconds)."""
+    deadline = time.monotonic() + patience
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        await asyncio.sleep(0.01)
+
+
 def test_a_caller_refused_again_within_a_second_waits_for_its_busy_answer():
     """A caller's first busy answer each second is sent at once (a trainer fails over at once); its further busy
     answers that second are held BUSY_HOLD seconds, so a caller that resends as soon as it is refused (a flooder)
-    sends a few requests a second, not hundreds. Another caller's first busy answer is still sent at once."""
+    sends a few requests a second, not hundreds. Another caller's first busy answer is still sent at once, and so is
+    the flooder's first one of the next second. The server's clock is the test's: stopped, then moved on a second."""
     server = StageServer("run", 0, blocks(), CPU, max_queue=1)
+    now = [0.0]
+    server._busy_at_once = RateLimit(1.0, clock=lambda: now[0])
+    server.lock = lock = WatchedLock()
     request = evaluation_forward(server)
 
-    async def refused_after(caller: str) -> float:
+    async def held(caller: str) -> bool:
+        """Whether the busy answer to ``caller``'s request was held back (then for BUSY_HOLD seconds at least)."""
         start = time.monotonic()
+        answer = asyncio.ensure_future(server.answer("forward", request, caller))
+        was_held = False
+        while not answer.done():
+            was_held = was_held or server._held > 0
+            await asyncio.sleep(0)
         with pytest.raises(StageBusyError):
-            await server.answer("forward", request, caller)
-        return time.monotonic() - start
+            answer.result()
+        assert not was_held or time.monotonic() - start >= BUSY_HOLD - 0.01
+        return was_held
 
-    async def scenario() -> tuple[list[float], float]:
+    async def scenario() -> tuple[list[bool], bool, bool]:
         served = [asyncio.ensure_future(server.answer("forward", request, "flooder"))]
-        await asyncio.sleep(0.2)  # taken by the worker, which waits for the lock
+        await until(lock.waited.is_set, "the worker took the first request")  # and waits for the lock
         served.append(asyncio.ensure_future(server.answer("forward", request, "flooder")))
-        await asyncio.sleep(0.2)  # queued: the queue is full
+        await until(lambda: server._tasks.qsize() == 1, "the second request queued")  # the queue is full
         try:
-            flooder = [await asyncio.wait_for(refused_after("flooder"), 5) for _ in range(3)]
-            other = await asyncio.wait_for(refused_after("other"), 5)
+            flooder = [await held("flooder") for _ in range(3)]
+            other = await held("other")
+            now[0] += 1.0
+            next_second = await held("flooder")
         finally:
-            server.lock.release()
+            lock.release()
         await asyncio.wait_for(asyncio.gather(*served), 30)
-        return flooder, other
+        return flooder, other, next_second
 
-    server.lock.acquire()  # the worker waits for it to compute
+    lock.acquire()  # the worker waits for it to compute
     try:
-        flooder, other = asyncio.run(scenario())
-        assert flooder[0] < BUSY_HOLD / 2 and other < BUSY_HOLD / 2, (flooder, other)
-        assert all(seconds >= BUSY_HOLD for seconds in flooder[1:]), flooder
+        flooder, other, next_second = asyncio.run(scenario())
+        assert flooder == [False, True, True] and not other and not next_second, (flooder, other, next_second)
     finally:
         server.shutdown()
 
