@@ -14,7 +14,7 @@ import time
 
 import pytest
 from helpers import FAST, history
-from helpers.real_model_checks import exact_against_single_process, loss_falls_with_defaults
+from helpers.real_model_checks import exact_against_single_process, logs, loss_falls_with_defaults
 
 
 @pytest.mark.parametrize("model", ["litgpt", "titan"])
@@ -28,36 +28,43 @@ def test_loss_falls_with_defaults(model_swarm, tmp_path):
     loss_falls_with_defaults(model_swarm, tmp_path, "litgpt")
 
 
-def test_failover_with_side_inputs_after_kill_9(model_swarm, tmp_path):
-    """LitGPT, sequence lengths varying: kill -9 the stage-1 peer doing the work mid-training; every step completes,
-    the microbatches in flight (their rotary tables with them) fail over to the other peer of the stage, and the dead
-    peer is dropped."""
-    steps, swarm = 30, model_swarm
-    env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "8", "SWARM_REBALANCE_PERIOD": "0"}
-    for name in ("stage1_a", "stage1_b"):
-        swarm.start(name, ["--model", "litgpt"], env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})
-    deadline = time.monotonic() + 120
-    while "Serving stage 1" not in swarm.peers["stage1_b"].log():  # it first downloads the stage from stage1_a
-        assert time.monotonic() < deadline and swarm.peers["stage1_b"].alive(), swarm.peers["stage1_b"].log()
-        time.sleep(0.2)
+def test_rebalancing_and_failover_with_side_inputs(model_swarm, tmp_path):
+    """LitGPT, sequence lengths varying, three serve-only peers started on stage 1 beside a trainer serving stage 0:
+    a peer moves to stage 0 (building LitGPT's blocks from the meta device: they have no reset_parameters) and
+    serves the trainer's microbatches there; then kill -9 it mid-training: every step completes, the microbatches
+    in flight (their rotary tables with them) fail over to another peer of the stage, and the dead peer is dropped.
+    The trainer never moves, so no stage is left empty."""
+    steps, swarm, names = 40, model_swarm, ("stage1_a", "stage1_b", "stage1_c")
+    env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "8"}
+    for name in names:
+        serve = {**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1", "SWARM_REBALANCE_PERIOD": "5"}
+        swarm.start(name, ["--model", "litgpt"], env=serve)
     record = tmp_path / "trainer.json"
     args = ["--model", "litgpt", "--max-steps", str(steps), "--vary-seq", "--history", str(record)]
-    swarm.start("trainer", args, env={**env, "SWARM_STAGE": "0"})
-    stage1 = {swarm.peers[name].addresses()[0].rsplit("/", 1)[-1]: name for name in ("stage1_a", "stage1_b")}
+    swarm.start("trainer", args, env={**env, "SWARM_STAGE": "0", "SWARM_REBALANCE_PERIOD": "0"})
+    ids = {name: swarm.peers[name].addresses()[0].rsplit("/", 1)[-1] for name in names}
 
-    deadline = time.monotonic() + 120
-    while not (record.exists() and history(record)["steps"] >= 10):
-        assert time.monotonic() < deadline and swarm.peers["trainer"].alive(), swarm.peers["trainer"].log()[-3000:]
-        time.sleep(0.2)
-    calls = history(record)["calls_per_peer"]
-    victim = max(stage1, key=lambda peer: calls.get(peer, 0))
-    assert calls.get(victim, 0) > 0, "no stage-1 peer served work before the kill"
-    swarm.signal(stage1[victim], signal.SIGKILL)
+    deadline, victim, at_move = time.monotonic() + 180, None, {}
+    while victim is None:  # a peer that moved to stage 0 and served the trainer there
+        assert time.monotonic() < deadline and swarm.peers["trainer"].alive(), logs(swarm)
+        time.sleep(0.5)
+        calls = history(record)["calls_per_peer"] if record.exists() else {}
+        for name in names:
+            if name not in at_move and "Serving stage 0" in swarm.peers[name].log():
+                at_move[name] = calls.get(ids[name], 0)  # its calls on stage 1, before the move
+        victim = next((n for n, before in at_move.items() if calls.get(ids[n], 0) >= before + 4), None)
+    before = history(record)
+    assert before["steps"] < steps, "training ended before the move: nothing was left to fail over"
+    swarm.signal(victim, signal.SIGKILL)
 
-    assert swarm.wait("trainer", timeout=300) == 0, swarm.peers["trainer"].log()[-3000:]
+    assert swarm.wait("trainer", timeout=300) == 0, logs(swarm)
     final = history(record)
-    failed = final["failed_calls_per_peer"].get(victim, 0)
-    print(f"failover with side inputs: {final['failovers']} failovers, {failed} failed calls to the dead peer")
+    failed = final["failed_calls_per_peer"].get(ids[victim], 0)
+    print(
+        f"rebalancing and failover with side inputs: {victim} moved to stage 0 and served "
+        f"{before['calls_per_peer'][ids[victim]] - at_move[victim]} calls there by step {before['steps']}; killed: "
+        f"{final['failovers']} failovers, {failed} failed calls to it"
+    )
     assert final["steps"] == steps and len(final["losses"]) == steps
     assert final["failovers"] == failed  # every failed call was retried elsewhere and succeeded there
     assert final["side_bytes_sent"] > 0
