@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Iterator
 
 import pytest
 import torch
+from hivemind.averaging import DecentralizedAverager
 from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
@@ -93,7 +95,9 @@ time.sleep(600)
 
 
 @contextmanager
-def beside_an_absent_partner(delayed: bool) -> Iterator[tuple[torch.nn.Module, SwarmOptimizer]]:
+def beside_an_absent_partner(
+    delayed: bool, averaging_timeout: float = 10.0
+) -> Iterator[tuple[torch.nn.Module, SwarmOptimizer]]:
     """A model and its optimizer whose partner holds 4 samples of the target of 8 but never joins a round (it left,
     or is stuck); the model's gradients are set, for a step of 4 samples. (The partner is a process of its own, as
     hivemind's progress records of one process share a key.)"""
@@ -108,8 +112,8 @@ def beside_an_absent_partner(delayed: bool) -> Iterator[tuple[torch.nn.Module, S
     optimizer = None
     try:
         assert absent.stdout.readline().strip() == "stepped"
-        model, optimizer = _optimizer(node, 0, "round_test", averaging_timeout=10.0, delayed=delayed)
-        deadline = time.monotonic() + 10
+        model, optimizer = _optimizer(node, 0, "round_test", averaging_timeout=averaging_timeout, delayed=delayed)
+        deadline = time.monotonic() + 30
         while optimizer.tracker.global_progress.samples_accumulated < 4:
             assert time.monotonic() < deadline, "this peer never saw the other's samples"
             time.sleep(0.1)
@@ -124,40 +128,94 @@ def beside_an_absent_partner(delayed: bool) -> Iterator[tuple[torch.nn.Module, S
         node.shutdown()
 
 
-def test_a_round_whose_partner_never_comes_costs_its_matchmaking_time_not_the_averaging_timeout():
+MATCHMAKING, GRACE = 1.0, 0.5  # _optimizer's matchmaking time, and one request's timeout (hivemind_tuning)
+
+
+@pytest.fixture
+def rounds(monkeypatch) -> list[dict]:
+    """The all-reduce rounds the averagers of this process start, as hivemind's DecentralizedAverager.step gets them
+    (after the swarm's bounds): their timeout, and whether they wait for their owner's trigger."""
+    started = []
+    step = DecentralizedAverager.step
+
+    def recording(self, *args, **kwargs):
+        started.append(dict(kind=type(self).__name__, **kwargs))
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecentralizedAverager, "step", recording)
+    return started
+
+
+def test_a_round_whose_partner_never_comes_costs_its_matchmaking_time_not_the_averaging_timeout(rounds, monkeypatch):
     """Two peers of a stage hold samples that together reach the target; one steps, the other does not join its rounds:
-    each of the step's two rounds (gradients, then parameters) fails once its matchmaking time (1 s) and one request's
-    timeout (0.5 s) are over, not after the averaging timeout (10 s); the failed gradient round is counted with its
-    time, and the peer steps with its own gradients."""
-    with beside_an_absent_partner(delayed=False) as (model, optimizer):
+    each of the step's two rounds (gradients, then parameters) fails once its matchmaking time and one request's
+    timeout are over, not after the averaging timeout (30 s here): the parameter round is given that bound as its
+    timeout, and the gradient round (which waits for its trigger) is given up by the optimizer once that long has
+    passed since the trigger without a group. The failed gradient round is counted with its time, and the peer steps
+    with its own gradients."""
+    assembled = []
+    assembles = BoundedGradientAverager.assembles
+    monkeypatch.setattr(
+        BoundedGradientAverager,
+        "assembles",
+        lambda self, control: assembled.append(assembles(self, control)) or assembled[-1],
+    )
+    with beside_an_absent_partner(delayed=False, averaging_timeout=30.0) as (model, optimizer):
         before = model.weight.detach().clone()
         started = time.monotonic()
         optimizer.step(batch_size=4)  # 4 + 4 samples: the target of 8
         took = time.monotonic() - started
 
-        assert optimizer.failed_rounds == 1 and not optimizer.allreduce_sizes
-        assert took < 2 * (1.0 + 0.5) + 1.5, f"the step took {took:.1f}s"
-        assert 1.0 <= optimizer.failed_round_seconds < 3.0
+        assert optimizer.failed_rounds == 1 and not optimizer.allreduce_sizes and assembled == [False]
+        gradients = [r for r in rounds if r["kind"] == "BoundedGradientAverager"]
+        parameters = [r for r in rounds if r["kind"] == "ConsistentStateAverager"]
+        assert gradients and all(r["require_trigger"] for r in gradients), rounds  # the optimizer bounds them
+        assert parameters and all(r["timeout"] <= MATCHMAKING + GRACE + 1e-6 for r in parameters), rounds
+        # the gradient round was given up at its bound, from its trigger on (monotonic time, measured in the step)
+        assert MATCHMAKING + GRACE <= optimizer.failed_round_seconds <= took < 30.0, (
+            optimizer.failed_round_seconds,
+            took,
+        )
         assert optimizer.local_epoch == 1 and not torch.equal(model.weight, before)  # stepped on its own gradients
 
 
 @pytest.mark.parametrize("waits", [False, True], ids=["trains_on", "waits_at_once"])
-def test_a_failed_background_round_costs_only_the_time_a_step_waits_for_it(waits):
+def test_a_failed_background_round_costs_only_the_time_a_step_waits_for_it(waits, monkeypatch):
     """With delayed updates a round runs in the background while the peer goes on training: one whose partner never
     comes fails there (counted), but holds up only a step that waits for it. A peer that goes on training until the
     round is over loses no time to it (it was counted from its trigger before, as if the peer had waited); one that
-    waits for the background step at once (a checkpoint's state, a download) loses the time until the round fails."""
+    waits for the background step at once (a checkpoint's state, a download) loses the time until the round fails.
+    The round runs on another thread than the step's; it starts looking for its group once the test says so (when
+    the peer begins to wait, or at once), so that the order of the wait and the failure is the test's."""
+    go, threads = threading.Event(), []
+    assembles, average = BoundedGradientAverager.assembles, SwarmOptimizer._average_gradients_and_load_into_optimizer
+
+    def gated(self, control):
+        assert go.wait(60), "the test never let the round go on"
+        return assembles(self, control)
+
+    def recording(self, control):
+        threads.append(threading.get_ident())
+        return average(self, control)
+
+    monkeypatch.setattr(BoundedGradientAverager, "assembles", gated)
+    monkeypatch.setattr(SwarmOptimizer, "_average_gradients_and_load_into_optimizer", recording)
     with beside_an_absent_partner(delayed=True) as (_, optimizer):
-        started = time.monotonic()
         optimizer.step(batch_size=4)  # 4 + 4 samples: the target of 8; the round runs in the background
-        assert time.monotonic() - started < 1.0
-        while not waits and optimizer.failed_rounds == 0:
-            assert time.monotonic() < started + 10, "the background round never ended"
-            time.sleep(0.1)
+        if not waits:
+            go.set()
+            deadline = time.monotonic() + 60
+            while optimizer.failed_rounds == 0:
+                assert time.monotonic() < deadline, "the background round never ended"
+                time.sleep(0.1)
+        started = time.monotonic()
+        go.set()
         optimizer.apply_finished_update(wait=True)
+        waited = time.monotonic() - started
+        assert threads and threading.get_ident() not in threads, "the gradient round ran on the step's thread"
         assert optimizer.rounds == optimizer.failed_rounds == 1
         if waits:
-            assert 1.0 <= optimizer.failed_round_seconds < 3.0
+            assert 0 < optimizer.failed_round_seconds <= waited, (optimizer.failed_round_seconds, waited)
         else:
             assert optimizer.failed_round_seconds == 0.0
 
@@ -200,10 +258,11 @@ def test_the_partners_of_a_round_include_those_that_just_left_its_epoch():
 
 def test_a_pre_scheduled_round_triggered_late_still_meets_its_partner():
     """hivemind pre-schedules a gradient round when it estimates that the epoch ends within the matchmaking time; here
-    one peer's estimate is 2 s early: its round is scheduled to start at 1 s and triggered at 2.5 s, when its partner
-    schedules and triggers its own. Bounded from its scheduled start (1.5 s), the early round failed before the
+    one peer's estimate is early: its round is scheduled to start 1 s after it is made, and triggered only once its
+    scheduled start and a request's timeout (its bound, counted from the scheduled start) are well over, when its
+    partner schedules and triggers its own. Bounded from its scheduled start, the early round failed before the
     epoch ended and its partner found nobody: both stepped alone. Left to the optimizer's bound, which starts at
-    the trigger, both average together."""
+    the trigger, the early round is still looking for its group then, and both average together."""
     first = SwarmNode().start()
     nodes = [first, SwarmNode(first.visible_maddrs()).start()]
     averagers = [
@@ -211,20 +270,23 @@ def test_a_pre_scheduled_round_triggered_late_still_meets_its_partner():
             [torch.nn.Parameter(torch.full((4,), float(i)))],
             dht=node.dht,
             prefix="late_trigger",
-            min_matchmaking_time=1.0,
-            request_timeout=0.5,
+            min_matchmaking_time=MATCHMAKING,
+            request_timeout=GRACE,
             target_group_size=2,
             start=True,
         )
         for i, node in enumerate(nodes)
     ]
     try:
-        early = averagers[0].schedule_step(timeout=10.0)
-        time.sleep(2.5)
-        on_time = averagers[1].schedule_step(timeout=10.0)
+        early = averagers[0].schedule_step(timeout=60.0)
+        late = early.scheduled_time + GRACE + 1.0  # past the bound the round had from its scheduled start
+        while get_dht_time() < late:
+            time.sleep(0.05)
+        assert not early.done(), "the early round gave up before its trigger"
+        on_time = averagers[1].schedule_step(timeout=60.0)
         for control in (early, on_time):
             control.allow_allreduce()
-        assert [len(control.result(timeout=10.0)) for control in (early, on_time)] == [2, 2]
+        assert [len(control.result(timeout=60.0)) for control in (early, on_time)] == [2, 2]
     finally:
         for averager in averagers:
             averager.shutdown()
