@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from hivemind.proto import runtime_pb2
 
+from lightning_swarm import device_sync
+
 Codec = Literal["none", "float16", "8bit"]
 CODECS: dict[str, int] = {
     "none": runtime_pb2.CompressionType.NONE,
@@ -154,7 +156,7 @@ def _dtype(name: str, floating: bool = False) -> torch.dtype:
 
 def _host_bytes(*parts: torch.Tensor) -> bytes:
     """The parts' elements, back to back, copied once from their device into one bytes object."""
-    return b"".join(part.contiguous().reshape(-1).view(torch.uint8).cpu().numpy() for part in parts)
+    return b"".join(device_sync.to_host(part.contiguous().reshape(-1).view(torch.uint8)).numpy() for part in parts)
 
 
 def _view(buffer: bytes, expected: int) -> torch.Tensor:

@@ -45,7 +45,7 @@ from hivemind.utils.performance_ema import PerformanceEMA
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_swarm import block_calls, compression, protocol, security
+from lightning_swarm import block_calls, compression, device_sync, protocol, security
 from lightning_swarm.block_calls import Call, MetaBlocks
 from lightning_swarm.errors import (
     ActivationsLostError,
@@ -453,7 +453,7 @@ class StageServer(ServicerBase):
         if tensor.dtype not in self.activation_dtypes:
             expected = " or ".join(map(str, self.activation_dtypes))
             raise SwarmRequestError(f"expected a {expected} tensor, got {tensor.dtype} (precision {self.precision})")
-        if finite and not torch.isfinite(tensor).all():
+        if finite and not device_sync.all_finite(tensor):
             raise SwarmRequestError("tensor contains NaN or Inf")
         return tensor
 
@@ -550,8 +550,7 @@ class StageServer(ServicerBase):
 
     def _synchronize(self) -> None:
         """Wait for the work queued on the stage's device (a GPU runs kernels after they were launched)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        device_sync.synchronize(self.device)
 
     def _overloaded(self, kind: str, error: str) -> StageBusyError:
         """The answer to a request that ran out of memory: busy (callers try another peer or wait), after giving
