@@ -82,6 +82,9 @@ def test_connections_without_a_valid_proof_are_refused_and_the_stage_is_untouche
         module = torch.nn.Sequential(torch.nn.Linear(8, 8))
         stage = StageServer("run", 0, module, torch.device("cpu"), policy=policy)
         direct = transport.DirectServer("run", lambda: stage, policy, max_request_bytes=2**27)
+        received = []  # every request that reached the server past a connection's handshake
+        answer = direct._answer
+        direct._answer = lambda frames: received.append(len(frames)) or answer(frames)
         port = await direct.start(server_p2p)
         before = {k: v.clone() for k, v in module.state_dict().items()}
         try:
@@ -104,10 +107,11 @@ def test_connections_without_a_valid_proof_are_refused_and_the_stage_is_untouche
             member = transport.DirectClient(caller_p2p, caller_p2p.peer_id, "run", policy)
             reply = await member.call(server, f"127.0.0.1:{port}", "forward", stage.uid, [x], b"", 10)
             assert torch.equal(compression.deserialize(reply[0]), module(compression.deserialize(x)).detach())
+            assert received == [4]  # the member's request: id, header, one tensor (and the routing id)
             session, key = await member._session(server)
             name = session.hex().encode()
             fresh = transport.connection_token(key, session, time.time(), b"n" * 16)
-            assert await handshake(port, (name, fresh)) < 5  # a valid token opens a connection...
+            await handshake(port, (name, fresh))  # a valid token opens a connection...
             with pytest.raises(PeerNotAllowedError):  # ... once: the same token again is a replay
                 await handshake(port, (name, fresh))
             stale = transport.connection_token(key, session, time.time() - 2 * transport.MAX_CLOCK_SKEW, b"o" * 16)
@@ -121,7 +125,6 @@ def test_connections_without_a_valid_proof_are_refused_and_the_stage_is_untouche
             with pytest.raises(PeerNotAllowedError):
                 await handshake(port, (name, forged), big)
             refused_in = time.perf_counter() - start
-            assert refused_in < 2.0, refused_in
             with pytest.raises((ConnectionError, PeerNotAllowedError)):  # no security mechanism at all
                 await handshake(port, None, big)
             # an allowed session of a peer later taken off the allow-list
@@ -131,7 +134,9 @@ def test_connections_without_a_valid_proof_are_refused_and_the_stage_is_untouche
                 token = transport.connection_token(key, b"o" * 16, time.time(), b"r" * 16)
                 await handshake(port, ((b"o" * 16).hex().encode(), token), big)
 
-            # the stage computed only the member's forward: no backward, no kept graph, parameters unchanged
+            # no refused connection got a request through: the server read only the member's, and the stage
+            # computed only that forward: no backward, no kept graph, parameters unchanged
+            assert received == [4], received
             info = stage.info()
             assert info["backward_samples"] == 0 and info["kept_bytes"] == 0, info
             assert stage.throughput.num_updates == 1
