@@ -59,12 +59,15 @@ class _OrphansDropped:
 class _SwarmDHT(DHT):
     """hivemind's DHT, reading its requests through :class:`_OrphansDropped`."""
 
+    orphans_dropped = 0  # requests dropped so far, in the DHT process (read it with run_coroutine)
+
     def run(self) -> None:
         self._inner_pipe = _OrphansDropped(self._inner_pipe)
         super().run()
 
     async def _drop_orphan(self) -> None:
-        """What a dropped request runs in the DHT process: nothing."""
+        """What a dropped request runs in the DHT process: nothing, but count it."""
+        self.orphans_dropped += 1
 
 
 class SwarmNode:
