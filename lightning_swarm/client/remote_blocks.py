@@ -17,6 +17,7 @@ raise an error that says so.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -167,10 +168,12 @@ class Tracer:
 
 class RemoteBlock(nn.Module):
     """Stands in for block ``index`` of the pipeline: calls go to the swarm through the tracer; attributes are read
-    from the block's copy on the meta device."""
+    from the block's copy on the meta device. Each stand-in is also an instance of its block's class
+    (:func:`stand_in`), so that code finding blocks by class (hooks that record outputs, wrapping policies) finds
+    the stand-ins; the block's own ``__init__`` and ``forward`` never run on them."""
 
     def __init__(self, index: int, tracer: Tracer) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.index = index
         self.__dict__["_tracer"] = tracer  # not a submodule: the stand-ins hold no parameters
 
@@ -194,7 +197,7 @@ def stand_in(container: nn.Module, names: list[str], pipeline: RemotePipeline, m
     """A container of the same type as the pipeline's (``nn.Sequential``, ``nn.ModuleList`` or ``nn.ModuleDict``,
     with the same names) holding a :class:`RemoteBlock` for each of its blocks."""
     tracer = Tracer(pipeline, meta)
-    blocks = [RemoteBlock(i, tracer) for i in range(len(names))]
+    blocks = [_stand_in_class(type(block))(i, tracer) for i, block in enumerate(meta.blocks)]
     if isinstance(container, nn.ModuleDict):
         remote: nn.Module = nn.ModuleDict(dict(zip(names, blocks)))
     elif isinstance(container, nn.ModuleList):
@@ -205,3 +208,11 @@ def stand_in(container: nn.Module, names: list[str], pipeline: RemotePipeline, m
             remote.add_module(name, block)
     remote.__dict__["remote_pipeline"] = pipeline  # for the strategy's teardown; not a submodule
     return remote
+
+
+@functools.cache
+def _stand_in_class(block_class: type) -> type:
+    """A :class:`RemoteBlock` that is also a ``block_class``, for stand-ins of that class's blocks."""
+    if issubclass(RemoteBlock, block_class):
+        return RemoteBlock
+    return type(f"Remote{block_class.__name__}", (RemoteBlock, block_class), {"__module__": __name__})

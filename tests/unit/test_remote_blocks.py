@@ -168,6 +168,19 @@ def test_what_cannot_cross_the_wire_is_named():
             with pytest.raises(RuntimeError, match="activation after block 1 was computed inside the swarm"):
                 second.sum()  # where stage 0 ends, but read after the segment ran on past it
         assert layers[1].attention_type == "sliding"  # attributes come from the block's copy on the meta device
+
+        # code that finds blocks by class finds the stand-ins; hooks recording every block's output (as
+        # transformers' output_hidden_states=True does) get an error on reading an output the swarm never returned
+        recorded = []
+        for module in remote.modules():
+            if isinstance(module, RotaryBlock):
+                module.register_forward_hook(lambda m, args, out: recorded.append(out[0]))
+        with torch.no_grad():
+            remote(x)
+        assert len(recorded) == 4
+        assert not isinstance(recorded[-1], remote_blocks.DeferredActivation) and recorded[-1].shape == x.shape
+        with pytest.raises(RuntimeError, match="activation after block 1 was computed inside the swarm"):
+            recorded[1].sum()
     finally:
         for server in servers:
             server.shutdown()
