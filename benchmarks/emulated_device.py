@@ -1,0 +1,694 @@
+"""An emulated GPU, for benchmarks/gpu_proxy.py: the swarm's real code runs end to end in real peer processes, and
+only the device is emulated.
+
+The device is one timeline shared by every process of the machine: a small file mapped into each of them
+(:class:`Timeline`), its header holding when the device is busy until, then a log of records, appended under a
+lock (a thread lock and ``flock``). Clocks are ``time.monotonic()``, one clock for all processes on Linux.
+
+- A kernel (:meth:`EmulatedDevice.kernel`) is enqueued at ``max(now, device busy until, this process's stream)``
+  for its calibrated duration, so kernels of all processes run one at a time, in the order launched; launching it
+  holds the GIL for its launch cost (a spin), as eager PyTorch's launches do, and a kernel shorter than its launch
+  cannot finish before the launch does.
+- Each process has one stream (its default stream): an asynchronous copy (:meth:`EmulatedDevice.copy_async`)
+  occupies the stream, not the device, and later kernels of that process start after it.
+- A device sync (:meth:`EmulatedDevice.synchronize`) sleeps, releasing the GIL, until this process's last enqueued
+  work is done (the last 0.15 ms yielding instead of sleeping, so that its wake-up is not late by the kernel's timer
+  slack). A blocking copy (pageable memory) or host work that waits between syncs (:meth:`EmulatedDevice.blocking`)
+  first syncs, then waits its calibrated time.
+
+Where the real code waits on a device, the emulation is put in its place (:func:`install`):
+``lightning_swarm.device_sync``'s three functions (the stage server's synchronize after each request, the finiteness
+check of a decoded request, the device-to-host copy of an encoded tensor); the codec's kernels (8-bit quantize on
+encoding, and dequantize when decoding onto the device, after the host copy into a staging buffer and an
+asynchronous host-to-device copy); and hivemind's optimizer: gradient accumulation on the device, the step's copies
+of the whole gradient into shared host memory and back and its scaling on one host thread (emulated waits, for the
+parameter count of the real model, ``EmulatedDevice.optimizer_numel``), the optimizer's own step kernel and the
+accumulators' reset. The pipeline's blocks are :class:`EmulatedBlock`: their parameters are one element each (the
+real block's names, their real sizes in ``emulated_numel``), a call launches one kernel of the calibrated time for
+its samples and returns a real tensor of the real size without computing it. The trainer's local modules
+(:class:`EmulatedEmbedding`, :class:`EmulatedHead`) are emulated the same way and account for the blocking uploads
+of the pipeline's output and input gradient (today's code moves them to the device from pageable host memory).
+
+Everything else is today's code, run for real: routing, transport, codec framing and host-side decoding, kept
+activations, the fair queue, hivemind's optimizer logic. :func:`instrument` adds records of what the swarm does
+(requests arriving, queued, served and answered; calls and replies; routes; optimizer hand-overs and steps) to the
+same timeline, without changing behaviour, so that ``gpu_proxy.py`` can split the device's idle time and the hops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import json
+import mmap
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+RECORD = np.dtype(
+    [
+        ("t0", "<f8"),
+        ("t1", "<f8"),
+        ("value", "<f8"),
+        ("key", "<u8"),
+        ("key2", "<u8"),
+        ("proc", "<i2"),
+        ("kind", "<i2"),
+        ("extra", "<i4"),
+    ]
+)
+HEADER_BYTES = 64  # busy-until (f8) at 0, record count (i8) at 8, records dropped past capacity (i8) at 16
+
+# record kinds: device kernels (their time is the device's busy time)
+BLOCK_FORWARD, BLOCK_BACKWARD, CODEC, FINITE, LOCAL, OPTIMIZER = 1, 2, 3, 4, 5, 6
+KERNELS = (BLOCK_FORWARD, BLOCK_BACKWARD, CODEC, FINITE, LOCAL, OPTIMIZER)
+BLOCKS = (BLOCK_FORWARD, BLOCK_BACKWARD)
+# the device's other records: an asynchronous copy on a stream, a host blocked (extra: HOST_*), a sync's wait
+COPY, HOST_WAIT, SYNC = 10, 11, 12
+HOST_D2H, HOST_H2D, HOST_SCALE, HOST_READ, HOST_ADAM = 1, 2, 3, 4, 5
+# what the swarm did (instrument): on a stage server, then on the trainer
+ARRIVE, SUBMIT, SERVE, ANSWER, HANDOVER, STEP = 20, 21, 22, 23, 24, 25
+ROUTE, CALL, CHECK, PIPE_FORWARD, PIPE_BACKWARD, BATCH = 30, 31, 32, 33, 34, 35
+REQUEST_KINDS = {"forward": 1, "backward": 2}
+
+SPIN = 1.5e-4  # the last seconds of a wait spent yielding rather than sleeping (timer slack is 50 us)
+TRAINER = 2  # the trainer's process number (stage servers: their stage)
+
+
+@dataclass
+class Calibration:
+    """The emulated device. Block times are per sample per stage (the H100's, ../shared/gpu/README.md); launch costs
+    are host seconds per block call, measured on this CPU (gpu_proxy.measure_launch); the rest are assumptions for an
+    H100 host (PCIe 5, HBM3), each one number, in the results beside the figures."""
+
+    forward: float  # seconds per sample per stage, all its blocks
+    backward: float
+    blocks_per_stage: int = 4
+    launch_forward: float = 2e-4  # host seconds to launch one block's forward
+    launch_backward: float = 4e-4
+    kernel_launch: float = 1e-5  # host seconds to launch a small kernel (codec, check, optimizer)
+    kernel_min: float = 5e-6  # the shortest kernel
+    hbm: float = 2.5e12  # bytes/s of memory-bound kernels
+    pinned: float = 25e9  # bytes/s of copies between pinned host memory and the device (asynchronous)
+    pageable: float = 12e9  # bytes/s of copies between pageable host memory and the device (the host blocks)
+    copy_latency: float = 1e-5  # seconds each copy costs besides its bytes
+    host_memory: float = 8e9  # bytes/s one host thread scales a buffer in place at (read and write)
+    host_adam: float = 5e-9  # seconds per parameter of an AdamW step on one host thread (delayed updates; measured)
+
+    def block_seconds(self, kind: int, samples: int) -> float:
+        per_stage = self.forward if kind == BLOCK_FORWARD else self.backward
+        return per_stage * samples / self.blocks_per_stage
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls, text: str) -> Calibration:
+        return cls(**json.loads(text))
+
+
+class Timeline:
+    """The device's timeline and the log, in a file mapped by every process (``create`` it first)."""
+
+    def __init__(self, path: os.PathLike) -> None:
+        self.path = str(path)
+        self._fd = os.open(self.path, os.O_RDWR)
+        size = os.fstat(self._fd).st_size
+        self._map = mmap.mmap(self._fd, size)
+        self._busy = np.ndarray((1,), "<f8", self._map, 0)
+        self._counts = np.ndarray((2,), "<i8", self._map, 8)
+        self.capacity = (size - HEADER_BYTES) // RECORD.itemsize
+        self._records = np.ndarray((self.capacity,), RECORD, self._map, HEADER_BYTES)
+        self._thread_lock = threading.Lock()
+
+    @classmethod
+    def create(cls, path: os.PathLike, capacity: int = 1 << 20) -> Timeline:
+        with open(path, "wb") as f:
+            f.truncate(HEADER_BYTES + capacity * RECORD.itemsize)
+        return cls(path)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Exclusive use of the timeline: other threads of this process and other processes wait."""
+        with self._thread_lock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    @property
+    def busy_until(self) -> float:
+        return float(self._busy[0])
+
+    def append(
+        self,
+        t0: float,
+        t1: float,
+        proc: int,
+        kind: int,
+        key: int = 0,
+        key2: int = 0,
+        value: float = 0.0,
+        extra: int = 0,
+    ) -> None:
+        """Add a record (the lock held)."""
+        i = int(self._counts[0])
+        if i >= self.capacity:
+            self._counts[1] += 1
+            return
+        self._records[i] = (t0, t1, value, key, key2, proc, kind, extra)
+        self._counts[0] = i + 1
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        with self.locked():
+            self.append(*args, **kwargs)
+
+    def enqueue(
+        self,
+        seconds: float,
+        earliest: float,
+        after: float,
+        proc: int,
+        kind: int,
+        key: int = 0,
+        value: float = 0.0,
+        extra: int = 0,
+    ) -> float:
+        """Put a kernel of ``seconds`` on the device, starting at ``earliest`` at the soonest and after ``after``
+        (its stream's last work) and after everything enqueued before it; returns when it ends (the lock held)."""
+        start = max(earliest, float(self._busy[0]), after)
+        end = start + seconds
+        self._busy[0] = end
+        self.append(start, end, proc, kind, key, 0, value, extra)
+        return end
+
+    def records(self) -> np.ndarray:
+        """A copy of the log so far."""
+        with self.locked():
+            return self._records[: int(self._counts[0])].copy()
+
+    @property
+    def dropped(self) -> int:
+        """Records not kept: the log was full."""
+        return int(self._counts[1])
+
+
+class EmulatedDevice:
+    """One process's view of the emulated device: its stream, its launches and syncs (see the module docstring)."""
+
+    def __init__(self, timeline: Timeline, proc: int, calibration: Calibration) -> None:
+        self.timeline, self.proc, self.cal = timeline, proc, calibration
+        self.tail = 0.0  # when this process's last enqueued work (kernel or copy) ends
+        self.optimizer_numel = 0  # the real model's parameter count behind this process's (one) optimizer
+        self._local = threading.local()  # the request a stage server's worker computes: (key, kind)
+
+    # ---- the device ---------------------------------------------------------------------------------------------
+
+    def kernel(self, seconds: float, kind: int, launch: Optional[float] = None, key: int = 0, extra: int = 0) -> None:
+        """Launch a kernel of ``seconds``: enqueued, then the launch's host time spent holding the GIL."""
+        launch = self.cal.kernel_launch if launch is None else launch
+        seconds = max(seconds, self.cal.kernel_min)
+        now = time.monotonic()
+        with self.timeline.locked():
+            # launched over [now, now + launch]: the kernel cannot end before its launch does
+            self.tail = self.timeline.enqueue(
+                seconds, now + max(0.0, launch - seconds), self.tail, self.proc, kind, key, launch, extra
+            )
+        _spin(launch)
+
+    def copy_async(self, nbytes: int) -> None:
+        """An asynchronous copy of ``nbytes`` from pinned memory onto this process's stream."""
+        seconds = self.cal.copy_latency + nbytes / self.cal.pinned
+        with self.timeline.locked():
+            start = max(time.monotonic(), self.tail)
+            self.tail = start + seconds
+            self.timeline.append(start, self.tail, self.proc, COPY, value=nbytes)
+
+    def synchronize(self) -> None:
+        """Wait until this process's work enqueued so far is done (the GIL released)."""
+        target, start = self.tail, time.monotonic()
+        if target <= start:
+            return
+        spun = _wait_until(target)
+        self.timeline.record(start, time.monotonic(), self.proc, SYNC, value=spun)
+
+    def blocking(self, seconds: float, what: int, nbytes: int = 0) -> None:
+        """The host blocked after this process's queued work, for ``seconds`` (a copy through pageable memory, or
+        host work on the step's buffers); the stream too (a blocking copy is ordered on it)."""
+        self.synchronize()
+        start = time.monotonic()
+        _wait_until(start + seconds)
+        end = time.monotonic()
+        with self.timeline.locked():
+            self.tail = max(self.tail, end)
+            self.timeline.append(start, end, self.proc, HOST_WAIT, value=nbytes, extra=what)
+
+    def host_work(self, seconds: float, what: int, nbytes: int = 0) -> None:
+        """Host work that needs nothing from the device (the offloaded optimizer's step): a wait of ``seconds``."""
+        start = time.monotonic()
+        _wait_until(start + seconds)
+        self.timeline.record(start, time.monotonic(), self.proc, HOST_WAIT, value=nbytes, extra=what)
+
+    def pageable_copy(self, nbytes: int, what: int) -> None:
+        self.blocking(self.cal.copy_latency + nbytes / self.cal.pageable, what, nbytes)
+
+    def memory_kernel(self, nbytes: int, kind: int, launches: int = 1, key: int = 0) -> None:
+        """A memory-bound kernel moving ``nbytes`` (``launches`` small kernels' launch time)."""
+        self.kernel(nbytes / self.cal.hbm, kind, launches * self.cal.kernel_launch, key)
+
+    # ---- the request a stage server computes ----------------------------------------------------------------------
+
+    def set_request(self, key: int, kind: int) -> None:
+        self._local.request = (key, kind)
+
+    def request(self) -> tuple[int, int]:
+        return getattr(self._local, "request", (0, 0))
+
+    # ---- lightning_swarm.device_sync in its place -----------------------------------------------------------------
+
+    def sync_device(self, device: torch.device) -> None:
+        self.synchronize()
+
+    def all_finite(self, tensor: torch.Tensor) -> bool:
+        """The check's reduction, then the host reads its one value (the emulated tensor holds no values to check)."""
+        self.memory_kernel(tensor.numel() * tensor.element_size(), FINITE)
+        self.pageable_copy(1, HOST_READ)
+        return True
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A device-to-host copy into pageable memory (``.cpu()``): waits for the stream, then for the copy."""
+        self.pageable_copy(tensor.numel() * tensor.element_size(), HOST_D2H)
+        return tensor
+
+
+def _spin(seconds: float) -> None:
+    """Hold the GIL (and a core) for ``seconds``, as launching kernels does."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _wait_until(target: float) -> float:
+    """Sleep until ``target`` (monotonic), yielding the last ``SPIN`` seconds; returns the seconds spent yielding."""
+    yielded = 0.0
+    while True:
+        left = target - time.monotonic()
+        if left <= 0:
+            return yielded
+        if left > SPIN:
+            time.sleep(left - SPIN)
+        else:
+            began = time.monotonic()
+            time.sleep(0)
+            yielded += time.monotonic() - began
+
+
+def key_of(key: Any) -> int:
+    """A request's key (the hex string the trainer makes, or the server's (caller, key) pair) as 64 bits."""
+    if isinstance(key, tuple):
+        key = key[1]
+    if not isinstance(key, str) or not key:
+        return 0
+    try:
+        return int(key[:16], 16)
+    except ValueError:
+        return int.from_bytes(key.encode()[:8].ljust(8, b"\0"), "little")
+
+
+# ---- the emulated model -------------------------------------------------------------------------------------------
+
+DEVICE: Optional[EmulatedDevice] = None  # this process's, once installed
+
+
+class _BlockCall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, block: EmulatedBlock, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.block, ctx.shapes = block, [p.shape for p in params]
+        ctx.samples = x.shape[0] if x.ndim else 1
+        if DEVICE is not None and x.device.type != "meta":
+            block.launch(BLOCK_FORWARD, ctx.samples)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if DEVICE is not None and grad.device.type != "meta":
+            ctx.block.launch(BLOCK_BACKWARD, ctx.samples)
+        return (None, torch.empty_like(grad), *(torch.zeros(s, device=grad.device) for s in ctx.shapes))
+
+
+class EmulatedBlock(nn.Module):
+    """Stands for examples/gpt.py's ``Block(d_model, d_model // 64)``: its parameters by name, one element each
+    (``emulated_numel``: the real size), and a call that costs the calibrated device time for its samples and returns
+    a real tensor of the input's size, not computed."""
+
+    def __init__(self, d_model: int, calibration: Calibration) -> None:
+        super().__init__()
+        self.cal = calibration
+        self.emulated_numel = 0
+        for name, numel in real_block_parameters(d_model).items():
+            self.register_parameter(name.replace(".", "_"), nn.Parameter(torch.zeros(1)))
+            self.emulated_numel += numel
+
+    def launch(self, kind: int, samples: int) -> None:
+        key, request = DEVICE.request()
+        hold = self.cal.launch_forward if kind == BLOCK_FORWARD else self.cal.launch_backward
+        DEVICE.kernel(self.cal.block_seconds(kind, samples), kind, hold, key, request)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _BlockCall.apply(self, x, *self.parameters())
+
+
+@functools.cache
+def real_block_parameters(d_model: int) -> dict[str, int]:
+    """examples/gpt.py's Block's parameters: name -> number of elements (built on the meta device)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from gpt import Block
+
+    with torch.device("meta"):
+        block = Block(d_model, max(1, d_model // 64))
+    return {name: p.numel() for name, p in block.named_parameters()}
+
+
+class _LocalCall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.module, ctx.x_shape, ctx.x_dtype = module, x.shape, x.dtype
+        return module.emulate_forward(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, ctx.module.emulate_backward(grad, ctx.x_shape), torch.zeros_like(ctx.module.weight)
+
+
+class EmulatedEmbedding(nn.Module):
+    """The trainer's token and position embeddings: token ids in, activations of ``d_model`` out, not computed; the
+    backward first uploads the pipeline's input gradient (a blocking copy from pageable memory, as
+    ``.to(device)`` of the host tensor the pipeline returns)."""
+
+    def __init__(self, vocab: int, block: int, d_model: int) -> None:
+        super().__init__()
+        self.d_model = d_model
+        self.weight = nn.Parameter(torch.zeros(1))
+        self.emulated_numel = (vocab + block) * d_model
+
+    def emulate_forward(self, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(*idx.shape, self.d_model)
+        if DEVICE is not None:
+            DEVICE.memory_kernel(out.numel() * 4 + idx.numel() * 8, LOCAL, launches=3)
+        return out
+
+    def emulate_backward(self, grad: torch.Tensor, shape: torch.Size) -> None:
+        if DEVICE is not None:
+            DEVICE.pageable_copy(grad.numel() * grad.element_size(), HOST_H2D)
+            DEVICE.memory_kernel(2 * grad.numel() * grad.element_size(), LOCAL, launches=3)
+        return None
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return _LocalCall.apply(self, idx.float(), self.weight)
+
+
+class EmulatedHead(nn.Module):
+    """The final LayerNorm, the head and the loss: the pipeline's output in (uploaded first, a blocking copy from
+    pageable memory), a real loss value out, neither computed; its gradient a real tensor of the output's size."""
+
+    def __init__(self, vocab: int, d_model: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1))
+        self.emulated_numel = vocab * d_model + 2 * d_model
+        self.vocab = vocab
+
+    def emulate_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if DEVICE is not None:
+            DEVICE.pageable_copy(x.numel() * x.element_size(), HOST_H2D)
+            DEVICE.memory_kernel(3 * x.numel() * x.element_size(), LOCAL, launches=6)
+        return (weight * 0).sum() + 4.5  # a real, finite loss (about ln(96))
+
+    def emulate_backward(self, grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        if DEVICE is not None:
+            DEVICE.memory_kernel(4 * shape.numel() * 4, LOCAL, launches=8)
+        return torch.empty(shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LocalCall.apply(self, x, self.weight)
+
+
+# ---- the device's place in the real code --------------------------------------------------------------------------
+
+_decoding = threading.local()  # set while a request is decoded onto the device (not on the host)
+_zeros: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+
+def _zeros_of(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Shared zeros (read-only use): what the emulated quantize returns, so that the bytes sent decode to zeros."""
+    key = (numel, dtype)
+    if key not in _zeros:
+        if len(_zeros) > 16:
+            _zeros.clear()
+        _zeros[key] = torch.zeros(numel, dtype=dtype)
+    return _zeros[key]
+
+
+def install(device: EmulatedDevice) -> None:
+    """Put ``device`` where this process's code waits on the device or runs kernels (see the module docstring)."""
+    global DEVICE
+    DEVICE = device
+    torch.set_flush_denormal(True)  # tensors not computed hold whatever was in memory: no slow denormals
+
+    from lightning_swarm import compression, device_sync
+
+    device_sync.synchronize = device.sync_device
+    device_sync.all_finite = device.all_finite
+    device_sync.to_host = device.to_host
+
+    blocks = compression.BLOCK_SIZE
+    deserialize, dequantize = compression.deserialize, compression._dequantize
+
+    def quantize(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = tensor.numel()
+        device.memory_kernel(n * (tensor.element_size() + 1), CODEC, launches=2)
+        return _zeros_of(n, torch.uint8).view(tensor.shape), _zeros_of(-(-n // blocks), torch.float32)
+
+    def emulated_dequantize(codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if not getattr(_decoding, "device", False):
+            return dequantize(codes, absmax, dtype)  # on the host: the real thing
+        nbytes = codes.numel() + 4 * absmax.numel()
+        staging = torch.empty(nbytes, dtype=torch.uint8)  # raw.pin_memory(): a host copy into a staging buffer
+        staging[: codes.numel()].copy_(codes.reshape(-1))
+        staging[codes.numel() :].copy_(absmax.reshape(-1).view(torch.uint8))
+        device.copy_async(nbytes)
+        device.memory_kernel(codes.numel() * (1 + torch.finfo(dtype).bits // 8), CODEC, launches=2)
+        return torch.empty(codes.shape, dtype=dtype)
+
+    def emulated_deserialize(message: Any, device: Any = None) -> torch.Tensor:
+        if device is None:
+            return deserialize(message)
+        _decoding.device = True
+        try:
+            return deserialize(message, device)
+        finally:
+            _decoding.device = False
+
+    compression._quantize = quantize
+    compression._dequantize = emulated_dequantize
+    compression.deserialize = emulated_deserialize
+    _install_optimizer(device)
+
+
+def _install_optimizer(device: EmulatedDevice) -> None:
+    """hivemind's optimizer on the device: per backward, accumulation into the gradient accumulators; per step, the
+    accumulators copied into shared host memory and scaled on one thread, then either (synchronous updates) copied
+    back and the optimizer's step kernel, or (delayed updates: the optimizer offloaded to the host) its AdamW step on
+    one host thread in hivemind's background thread and the new parameters copied back to the device when applied;
+    the accumulators zeroed. Sizes: the real model's parameters (``device.optimizer_numel``), fp32."""
+    from hivemind.optim.grad_averager import GradientAverager
+    from hivemind.optim.optimizer import Optimizer
+    from hivemind.optim.state_averager import TrainingStateAverager
+
+    cal = device.cal
+    accumulate, load, reset = (
+        GradientAverager.accumulate_grads_,
+        GradientAverager.load_accumulators_into_averager_,
+        GradientAverager.reset_accumulated_grads_,
+    )
+    into_optimizer, state_init = Optimizer._load_averaged_gradients_into_optimizer_, TrainingStateAverager.__init__
+    apply_parameters = TrainingStateAverager._apply_optimizer_parameters_
+
+    def accumulate_grads_(self, batch_size: int) -> None:
+        accumulate(self, batch_size)
+        device.memory_kernel(12 * device.optimizer_numel, OPTIMIZER, launches=2)
+
+    def load_accumulators_into_averager_(self) -> None:
+        device.pageable_copy(4 * device.optimizer_numel, HOST_D2H)
+        load(self)
+        device.blocking(8 * device.optimizer_numel / cal.host_memory, HOST_SCALE, 8 * device.optimizer_numel)
+
+    def reset_accumulated_grads_(self) -> None:
+        reset(self)
+        device.memory_kernel(4 * device.optimizer_numel, OPTIMIZER)
+
+    def load_into_optimizer(self) -> None:
+        if not self.offload_optimizer:
+            device.pageable_copy(4 * device.optimizer_numel, HOST_H2D)
+        into_optimizer(self)
+
+    def init(self, *args: Any, **kwargs: Any) -> None:
+        state_init(self, *args, **kwargs)
+        if not self.offload_optimizer:  # AdamW's foreach step: parameters, gradients and two moments, 28 bytes each
+            self.optimizer.register_step_post_hook(
+                lambda *_: device.memory_kernel(28 * device.optimizer_numel, OPTIMIZER, launches=4)
+            )
+        else:  # the offloaded optimizer steps host copies of the parameters, on one thread
+            self.optimizer.register_step_post_hook(
+                lambda *_: device.host_work(cal.host_adam * device.optimizer_numel, HOST_ADAM)
+            )
+
+    def apply_optimizer_parameters_(self) -> None:
+        device.pageable_copy(4 * device.optimizer_numel, HOST_H2D)
+        apply_parameters(self)
+
+    GradientAverager.accumulate_grads_ = accumulate_grads_
+    GradientAverager.load_accumulators_into_averager_ = load_accumulators_into_averager_
+    GradientAverager.reset_accumulated_grads_ = reset_accumulated_grads_
+    Optimizer._load_averaged_gradients_into_optimizer_ = load_into_optimizer
+    TrainingStateAverager.__init__ = init
+    TrainingStateAverager._apply_optimizer_parameters_ = apply_optimizer_parameters_
+
+
+def instrument(device: EmulatedDevice) -> None:
+    """Records of what the swarm does, on the timeline (wrappers that call the real methods unchanged)."""
+    from lightning_swarm import protocol
+    from lightning_swarm.client.remote_pipeline import RemotePipeline
+    from lightning_swarm.client.routing import StageRouter
+    from lightning_swarm.optimizer import SwarmOptimizer
+    from lightning_swarm.server.stage_server import StageServer
+
+    timeline, proc, now = device.timeline, device.proc, time.monotonic
+
+    def request_key(metadata: Any, kind: str) -> int:
+        try:
+            decoded = protocol.decode_metadata(metadata) if isinstance(metadata, (bytes, bytearray)) else metadata
+            return key_of(decoded.get("keep" if kind == "forward" else "kept"))
+        except Exception:
+            return 0
+
+    answer_tensors, submit, serve = StageServer.answer_tensors, StageServer._submit, StageServer._serve
+    hand_over, update_epoch = StageServer._hand_over_gradients, SwarmOptimizer._update_global_epoch
+    apply_update = SwarmOptimizer.apply_finished_update
+
+    async def answer(self, kind: str, request: Any, caller: str = "this peer") -> Any:
+        start, key = now(), request_key(request.metadata, kind)
+        timeline.record(start, start, proc, ARRIVE, key, extra=REQUEST_KINDS.get(kind, 0))
+        try:
+            return await answer_tensors(self, kind, request, caller)
+        finally:
+            timeline.record(start, now(), proc, ANSWER, key, extra=REQUEST_KINDS.get(kind, 0))
+
+    def submitted(
+        self, kind: str, tensors: list, train: bool, batch: int, caller: str, key: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        t = now()
+        timeline.record(t, t, proc, SUBMIT, key_of(key), value=batch, extra=REQUEST_KINDS.get(kind, 0))
+        return submit(self, kind, tensors, train, batch, caller, key, *args, **kwargs)
+
+    def served(self, kind: str, tensors: list, train: bool, batch: int, key: Any, *args: Any) -> None:
+        start, code = now(), REQUEST_KINDS.get(kind, 0)
+        device.set_request(key_of(key), code)
+        try:
+            serve(self, kind, tensors, train, batch, key, *args)
+        finally:
+            device.set_request(0, 0)
+            timeline.record(start, now(), proc, SERVE, key_of(key), value=batch, extra=code)
+
+    def handed_over(self, batch: int) -> None:
+        start, epoch = now(), getattr(self.optimizer, "local_epoch", 0)
+        try:
+            hand_over(self, batch)
+        finally:
+            stepped = int(getattr(self.optimizer, "local_epoch", 0) > epoch)
+            timeline.record(start, now(), proc, HANDOVER, device.request()[0], value=batch, extra=stepped)
+
+    def updated_epoch(self, grad_scaler: Any) -> None:
+        start = now()
+        try:
+            update_epoch(self, grad_scaler)
+        finally:
+            timeline.record(start, now(), proc, STEP)
+
+    def applied_update(self, wait: bool = False) -> None:
+        if not self.delay_optimizer_step:
+            return
+        start = now()
+        try:
+            apply_update(self, wait)
+        finally:
+            timeline.record(start, now(), proc, STEP, extra=1)
+
+    StageServer.answer_tensors = answer
+    StageServer._submit = submitted
+    StageServer._serve = served
+    StageServer._hand_over_gradients = handed_over
+    SwarmOptimizer._update_global_epoch = updated_epoch
+    SwarmOptimizer.apply_finished_update = applied_update
+
+    forward_route, run_forward, run_backward = (
+        RemotePipeline._forward_route,
+        RemotePipeline.run_forward,
+        RemotePipeline.run_backward,
+    )
+    call_peer, raw_call = StageRouter.call_peer, StageRouter._call_peer
+
+    def routed(self, *args: Any, **kwargs: Any) -> Any:
+        decoded, route = forward_route(self, *args, **kwargs)
+        keys = [key_of(k) for k in route.keys] + [0, 0]
+        t = now()
+        timeline.record(t, t, proc, ROUTE, keys[0], keys[1], extra=len(route.keys))
+        return decoded, route
+
+    def ran_forward(self, *args: Any, **kwargs: Any) -> Any:
+        start = now()
+        try:
+            return run_forward(self, *args, **kwargs)
+        finally:
+            timeline.record(start, now(), proc, PIPE_FORWARD)
+
+    def ran_backward(self, *args: Any, **kwargs: Any) -> Any:
+        start = now()
+        try:
+            return run_backward(self, *args, **kwargs)
+        finally:
+            timeline.record(start, now(), proc, PIPE_BACKWARD)
+
+    def called(self, stage: int, peer: str, method: str, tensors: list, metadata: dict, batch: int) -> Any:
+        start = now()
+        try:
+            return raw_call(self, stage, peer, method, tensors, metadata, batch)
+        finally:
+            key = request_key(metadata, method)
+            timeline.record(start, now(), proc, CALL, key, value=stage, extra=REQUEST_KINDS.get(method, 0))
+
+    def checked(
+        self, stage: int, peer: str, method: str, tensors: list, metadata: dict, batch: int, check: Any = None
+    ) -> Any:
+        start = now()
+        try:
+            return call_peer(self, stage, peer, method, tensors, metadata, batch, check)
+        finally:
+            key = request_key(metadata, method)
+            timeline.record(start, now(), proc, CHECK, key, value=stage, extra=REQUEST_KINDS.get(method, 0))
+
+    RemotePipeline._forward_route = routed
+    RemotePipeline.run_forward = ran_forward
+    RemotePipeline.run_backward = ran_backward
+    StageRouter._call_peer = called
+    StageRouter.call_peer = checked

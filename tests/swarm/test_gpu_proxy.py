@@ -1,0 +1,129 @@
+"""The CPU proxy of the GPU path (benchmarks/gpu_proxy.py): its emulated device's timeline, and a short run of the
+whole benchmark whose figures must add up."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import emulated_device as emu  # noqa: E402
+
+
+def device(tmp_path, proc: int = 0) -> emu.EmulatedDevice:
+    timeline = emu.Timeline.create(tmp_path / "timeline", capacity=1000)
+    return emu.EmulatedDevice(timeline, proc, emu.Calibration(1e-3, 2e-3))
+
+
+def test_a_sync_waits_until_the_work_enqueued_is_done(tmp_path):
+    """A kernel launch returns after its launch cost, not its duration; a sync returns once the device did it, and
+    a kernel launched behind it starts where it ended."""
+    dev = device(tmp_path)
+    start = time.monotonic()
+    dev.kernel(0.2, emu.BLOCK_FORWARD, launch=1e-3)
+    launched = time.monotonic()
+    dev.kernel(0.1, emu.BLOCK_BACKWARD, launch=1e-3)
+    dev.synchronize()
+    synced = time.monotonic()
+    first, second = dev.timeline.records()[:2]
+    assert launched - start < 0.1  # the launch did not wait for the kernel
+    assert second["t0"] == pytest.approx(first["t1"]) and second["t1"] - first["t0"] == pytest.approx(0.3)
+    assert synced >= second["t1"] == dev.tail  # the sync returned once the last kernel ended
+    dev.synchronize()  # nothing left: returns at once
+    assert time.monotonic() - synced < 0.05
+    # a blocking copy waits for the queued work first, then for itself; an asynchronous one only holds the stream
+    dev.kernel(0.1, emu.CODEC, launch=0.0)
+    dev.blocking(0.05, emu.HOST_D2H)
+    waited = dev.timeline.records()[-1]
+    assert waited["kind"] == emu.HOST_WAIT and waited["t0"] >= dev.timeline.records()[-3]["t1"]
+    assert waited["t1"] - waited["t0"] >= 0.05
+    dev.copy_async(25_000_000)  # 1 ms on the stream
+    dev.kernel(0.01, emu.CODEC, launch=0.0)
+    copy, kernel = dev.timeline.records()[-2:]
+    assert copy["kind"] == emu.COPY and kernel["t0"] >= copy["t1"] - 1e-9
+
+
+PROCESS = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    import emulated_device as emu
+    dev = emu.EmulatedDevice(emu.Timeline(sys.argv[2]), int(sys.argv[3]), emu.Calibration(1e-3, 2e-3))
+    time.sleep(max(0.0, float(sys.argv[4]) - time.time() - 0.05))
+    while time.time() < float(sys.argv[4]):  # both start together
+        pass
+    for _ in range(int(sys.argv[5])):
+        dev.kernel(0.05, emu.BLOCK_FORWARD, launch=1e-4)
+    dev.synchronize()
+    print(time.monotonic(), dev.tail)
+    """
+)
+
+
+def test_two_processes_share_the_timeline(tmp_path):
+    """Kernels launched by two processes at once run one at a time on the one device; each process's sync waits for
+    its own work."""
+    timeline = emu.Timeline.create(tmp_path / "timeline", capacity=1000)
+    start = time.time() + 2.0
+    counts = {0: 3, 1: 4}
+    processes = {
+        proc: subprocess.Popen(
+            [sys.executable, "-c", PROCESS, str(ROOT / "benchmarks"), timeline.path, str(proc), str(start), str(n)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for proc, n in counts.items()
+    }
+    ends = {}
+    for proc, process in processes.items():
+        out, _ = process.communicate(timeout=60)
+        assert process.returncode == 0
+        ends[proc] = tuple(map(float, out.split()))
+    records = sorted(timeline.records(), key=lambda r: r["t0"])
+    kernels = [r for r in records if r["kind"] == emu.BLOCK_FORWARD]
+    assert sorted(r["proc"] for r in kernels) == [0] * 3 + [1] * 4
+    for before, after in zip(kernels, kernels[1:]):  # serialised: none starts before the one before it ended
+        assert after["t0"] >= before["t1"] - 1e-9
+    assert kernels[-1]["t1"] - kernels[0]["t0"] >= 7 * 0.05 - 1e-9
+    for proc, (synced, tail) in ends.items():
+        last = max(r["t1"] for r in kernels if r["proc"] == proc)
+        assert tail == pytest.approx(last) and synced >= last
+
+
+def test_gpu_proxy_quick(tmp_path):
+    """``gpu_proxy.py --quick``: the device was busy exactly for the kernels the run launched, the blocks for the
+    calibrated time of the samples the trainer trained (each stage computed each sample forward and backward), and
+    each phase's figures add up: busy and idle time make its wall time, the idle parts its idle time."""
+    out = tmp_path / "RESULTS.md"
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_proxy.py"), "--quick", "--out", str(out)]
+    result = subprocess.run(command, timeout=400, capture_output=True, text=True, start_new_session=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run = json.loads((tmp_path / "results" / "gpu_proxy.json").read_text())["runs"][-1]
+    (check,) = run["checks"]
+    assert check["busy"] == pytest.approx(check["kernel_sum"], rel=1e-9)  # kernels never overlapped
+    assert check["samples"] > 0
+    for stage in range(2):
+        for kind in ("forward", "backward"):
+            assert check[f"{kind} samples, stage {stage}"] == check["samples"], check
+    assert check["block_busy"] == pytest.approx(check["block_expected"], rel=1e-3), check
+    assert [row["microbatches"] for row in run["rows"]] == [2, 4]
+    for row in run["rows"]:
+        assert 0 < row["E"] <= 1, row
+        idle = row["idle"]
+        assert sum(idle[k] for k in ("queued", "step", "between_batches", "in_flight")) == pytest.approx(idle["total"])
+        assert row["ideal"] + row["recompute"] + idle["total"] == pytest.approx(row["actual"]), row
+        assert row["E"] == pytest.approx(row["ideal"] / row["actual"])
+        gaps = row["queued_gaps"]
+        assert gaps["at_worker"] + gaps["in_queue"] + gaps["decoding"] == pytest.approx(idle["queued"], abs=1e-9)
+        assert row["hops"]["count"] > 0 and row["hops"]["p50"] > 0, row
+        assert set(row["cpu"]) == {"stage0", "stage1", "trainer"}
+        assert all(math.isfinite(c["framework"]) and c["holds"] >= 0 for c in row["cpu"].values()), row
+    text = out.read_text()
+    assert "## GPU proxy" in text and "| 1024 | 8 | 4 |" in text, text
