@@ -90,6 +90,20 @@ def received(descriptions: Any, frames: Sequence[zmq.Frame]) -> list[WireTensor]
         raise SwarmRequestError(f"malformed direct-path message: {e}") from None
 
 
+def error_header(error: Exception) -> dict:
+    """The reply header that carries a stage server's error to its caller: the error's class name and message."""
+    return {"error": [type(error).__name__, str(error)]}
+
+
+def header_error(header: dict) -> Optional[Exception]:
+    """The error a reply header carries, as its caller raises it: the swarm error the server raised (by its class
+    name, :func:`~lightning_swarm.protocol.error_from_wire`), else :class:`DirectPathError`; None for a reply."""
+    if "error" not in header:
+        return None
+    kind, message = header["error"]
+    return protocol.error_from_wire(f"{kind}: {message}") or DirectPathError(f"{kind}: {message}")
+
+
 def connection_token(key: bytes, session: bytes, at: float, nonce: bytes) -> bytes:
     """The one-time password of a connection: the time, the nonce and their HMAC under the session key."""
     stamp = repr(at).encode()
@@ -250,7 +264,7 @@ class DirectServer(ServicerBase):
             tensors = await self._reply(frames)
             header, buffers = {"tensors": describe(tensors)}, [t.buffer for t in tensors]
         except Exception as e:
-            header, buffers = {"error": [type(e).__name__, str(e)]}, []
+            header, buffers = error_header(e), []
         await self._socket.send_multipart([routing, request_id, MSGPackSerializer.dumps(header), *buffers], copy=False)
 
     async def _reply(self, frames: list[zmq.Frame]) -> list[WireTensor]:
@@ -333,9 +347,9 @@ class DirectClient:
         finally:
             connection.pending.pop(request_id, None)
         reply = MSGPackSerializer.loads(frames[0].bytes)
-        if "error" in reply:
-            kind, message = reply["error"]
-            raise protocol.error_from_wire(f"{kind}: {message}") or DirectPathError(f"{kind}: {message}")
+        error = header_error(reply)
+        if error is not None:
+            raise error
         return received(reply["tensors"], frames[1:])
 
     async def _connection(self, peer: str, address: str) -> _Connection:

@@ -5,22 +5,33 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
+from types import SimpleNamespace
 from typing import Optional
 
 import pytest
 import torch
+from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+from hivemind.p2p import P2P
 
-from lightning_swarm import compression, protocol
+from lightning_swarm import compression, protocol, transport
 from lightning_swarm.block_calls import MetaBlocks
 from lightning_swarm.client.remote_pipeline import RemotePipeline
 from lightning_swarm.client.routing import PeerLoad, StageRouter
 from lightning_swarm.discovery import PeerRecord, PeerState
-from lightning_swarm.errors import NotServingError, StageUnavailableError, SwarmRequestError
+from lightning_swarm.errors import (
+    ActivationsLostError,
+    NotServingError,
+    StageFailedError,
+    StageUnavailableError,
+    SwarmRequestError,
+)
 from lightning_swarm.server.stage_server import StageServer, stage_uid
-from lightning_swarm.transport import DirectPathError, DirectRequest
+from lightning_swarm.transport import DirectRequest
 
 CPU = torch.device("cpu")
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
 def test_wait_for_a_stage_is_not_restarted_by_retrying_a_banned_peer(monkeypatch):
@@ -59,7 +70,8 @@ class InProcessNode:
 
 class InProcessRouter(StageRouter):
     """A router over one stage whose peers are in-process stage servers (or fakes of them), called through
-    ``answer_tensors`` as the direct path calls them; their errors travel by name, as on the wire."""
+    ``answer_tensors`` as the direct path calls them; their errors travel as the direct path's reply headers carry
+    them (its own conversion, both ways; both paths over a real network: test_errors_cross_both_paths_by_name)."""
 
     def __init__(self, peers: dict, first: str = "", **kwargs) -> None:
         super().__init__(InProcessNode(), "run", 1, refresh_period=float("inf"), **kwargs)
@@ -72,8 +84,7 @@ class InProcessRouter(StageRouter):
         try:
             return await self.servers[peer].answer_tensors(method, request, "trainer")
         except Exception as e:
-            text = f"{type(e).__name__}: {e}"
-            raise protocol.error_from_wire(text) or DirectPathError(text) from None
+            raise transport.header_error(transport.error_header(e)) from None
 
     def banned(self, peer: str) -> bool:
         return self._peers[0][peer].banned_until > time.monotonic()
@@ -196,3 +207,66 @@ def test_a_peer_that_answers_garbage_is_banned_and_the_microbatch_fails_over(gar
         assert router.banned("liar") and router.stats.failed == {"liar": 2}
     finally:
         honest.shutdown()
+
+
+class Fragile(torch.nn.Linear):
+    """A stage that fails on any batch of 3 samples (a fault on the peer's side), but not on the meta device."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "meta" and x.shape[0] == 3:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return super().forward(x)
+
+
+def test_errors_cross_both_paths_by_name():
+    """A stage server's errors reach the router as the errors the server raised, over a real network on both paths:
+    the direct path (its reply header) and libp2p (hivemind's handler error, unary and streamed), each with its own
+    conversion, as StageRouter.call_peer raises them: the caller's mistakes (a refused request, a forward no longer
+    kept), a stage it no longer serves, and a failure on the peer's side."""
+
+    def run(coroutine, timeout=30.0):
+        return RemoteExpertWorker.run_coroutine(coroutine, return_future=True).result(timeout)
+
+    server_p2p = run(P2P.create(host_maddrs=[LOOPBACK]))
+    caller_p2p = run(P2P.create(initial_peers=run(server_p2p.get_visible_maddrs()), host_maddrs=[LOOPBACK]))
+    torch.manual_seed(0)
+    stage = StageServer("run", 0, Fragile(8, 8), CPU)
+    direct = transport.DirectServer("run", lambda: stage)
+    port = run(direct.start(server_p2p))
+    run(stage.add_p2p_handlers(server_p2p, namespace="run"))
+    server = str(server_p2p.peer_id)
+    node = SimpleNamespace(p2p=caller_p2p, peer_id=caller_p2p.peer_id, policy=None, run=run)
+    codec = {"codec": "none"}
+    streamed = compression.encode(torch.randn(4000, 200), "none")  # 3.2 MB: a stream on libp2p
+    assert protocol.needs_stream([compression.to_message(streamed)])
+    cases = [  # stage, method, tensors, metadata: what the server raises
+        (0, "forward", [torch.randn(4, 9)], codec, SwarmRequestError, "do not take an input of shape [4, 9]"),
+        (0, "forward", [streamed], codec, SwarmRequestError, "do not take an input of shape [4000, 200]"),
+        (0, "backward", [torch.randn(4, 8)], {**codec, "kept": "gone"}, ActivationsLostError, "no longer holds"),
+        (1, "forward", [torch.randn(4, 8)], codec, NotServingError, "no longer serves 'run.stage1'"),
+        (0, "forward", [torch.randn(3, 8)], codec, StageFailedError, "illegal memory access"),
+    ]
+    try:
+        for path in ("direct", "libp2p"):
+            router = StageRouter(node, "run", 2, refresh_period=float("inf"), direct=path == "direct")
+            for k in range(2):
+                router._peers[k] = {
+                    server: PeerLoad(PeerRecord(server, k, PeerState.SERVING, 1.0, 0, address=f"127.0.0.1:{port}"))
+                }
+            x = torch.randn(4, 8)
+            reply = router.call_peer(0, server, "forward", [compression.encode(x, "none")], codec, 4)
+            torch.testing.assert_close(compression.deserialize(reply[0]), stage.module(x).detach())
+            assert (router.stats.direct_calls, router.stats.p2p_calls) == ((1, 0) if path == "direct" else (0, 1))
+            for k, method, tensors, metadata, error, text in cases:
+                encoded = [
+                    t if isinstance(t, compression.WireTensor) else compression.encode(t, "none") for t in tensors
+                ]
+                with pytest.raises(error, match=re.escape(text)):
+                    router.call_peer(k, server, method, encoded, metadata, int(encoded[0].size[0]))
+            assert not router._unreachable, f"the direct path fell back to libp2p: {router._unreachable}"
+            router.close()
+    finally:
+        run(direct.stop(server_p2p))
+        stage.shutdown()
+        for p2p in (caller_p2p, server_p2p):
+            run(p2p.shutdown())
