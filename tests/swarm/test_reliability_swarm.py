@@ -8,10 +8,22 @@ import os
 import re
 import signal
 import time
+from datetime import datetime
 
 from helpers import FAST, SMALL_GPT
 
+from lightning_swarm.client.routing import WAIT_LOG_PERIOD
+
 WAIT_LINE = re.compile(r"Stage 1 of run '[^']+' has no live peer: waiting for one")
+# the time stamp a peer's log line starts with (lightning_swarm.logs: "Nov 23 13:14:05.123 [WARNING] ...")
+STAMPED_WAIT_LINE = re.compile(r"^(\w{3} +\d+ \d\d:\d\d:\d\d\.\d{3}) .*" + WAIT_LINE.pattern, re.MULTILINE)
+
+
+def wait_line_times(log: str) -> list[float]:
+    """When the peer logged each wait line (its own clock, as time.time())."""
+    year = datetime.now().year
+    stamps = [datetime.strptime(f"{year} {s}", "%Y %b %d %H:%M:%S.%f") for s in STAMPED_WAIT_LINE.findall(log)]
+    return [stamp.timestamp() for stamp in stamps]
 
 
 def steps_done(path) -> int:
@@ -41,18 +53,18 @@ def start_and_kill_stage1(swarm, tmp_path, env: dict, steps: int, trainers: tupl
 
 
 def test_trainer_waits_for_a_stage_with_no_peer_and_resumes(swarm, tmp_path):
-    """The only stage-1 peer dies: the trainer waits (logging it every 10 s, not more), a new stage-1 peer
-    starts, and the trainer finishes all its steps."""
+    """The only stage-1 peer dies: the trainer waits (logging it at most once every 10 s, as its own log's time
+    stamps show), a new stage-1 peer starts once the trainer logged its second wait line, the trainer logs no wait
+    line after its first step with the new peer, and finishes all its steps."""
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "8", "SWARM_STAGE_WAIT_TIMEOUT": "120"}
     steps = 40
     record, killed_at = start_and_kill_stage1(swarm, tmp_path, env, steps)
     trainer = swarm.peers["trainer"]
-    deadline = time.monotonic() + 60
-    while not WAIT_LINE.search(trainer.log()):
+    deadline = time.monotonic() + 240  # only stops a test that hangs
+    while len(WAIT_LINE.findall(trainer.log())) < 2:  # the second comes after a wait-log period, not every poll
         assert time.monotonic() < deadline and trainer.alive(), trainer.log()[-3000:]
         time.sleep(0.2)
     noticed = time.monotonic() - killed_at
-    time.sleep(12)  # long enough for a second wait line, and to see that it is not repeated every poll
     assert trainer.alive(), trainer.log()[-3000:]
     waited_steps = steps_done(record)
 
@@ -64,13 +76,18 @@ def test_trainer_waits_for_a_stage_with_no_peer_and_resumes(swarm, tmp_path):
         final = json.load(f)
     recovered = min(t for t in final["times"] if t > restarted_wall) - restarted_wall
     print(
-        f"stage wait: noticed {noticed:.1f}s after the kill, {len(lines)} wait line(s) over "
+        f"stage wait: two wait lines {noticed:.1f}s after the kill, {len(lines)} wait line(s) over "
         f"{restarted_at - killed_at:.0f}s without a stage-1 peer; first step {recovered:.1f}s after the new peer was "
         f"reachable, all steps done {time.monotonic() - restarted_at:.1f}s after"
     )
     assert final["steps"] == steps and waited_steps < steps
-    # the trainer waits until the new peer serves (its first step after the restart), and logs once every 10 s
-    assert 2 <= len(lines) <= (restarted_at - killed_at + recovered) / 10 + 2
+    # the trainer logs its wait at most once per period, and waits until the new peer serves: no wait line after its
+    # first step with the new peer (both times from the trainer's clock)
+    times = wait_line_times(trainer.log())
+    assert len(times) == len(lines) >= 2, trainer.log()[-3000:]
+    gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+    assert min(gaps) >= WAIT_LOG_PERIOD - 0.002, gaps  # stamps are to the millisecond
+    assert times[-1] < min(t for t in final["times"] if t > restarted_wall), (times, final["times"])
 
 
 def test_trainer_gives_up_after_stage_wait_timeout(swarm, tmp_path):
