@@ -1,9 +1,9 @@
 """Discovery: who serves which stage, published as small DHT records (never tensors: the DHT is for finding peers).
 
 Each serving peer stores, under ``<run_id>_stage<k>`` with its peer id as subkey, a tuple
-``(state, throughput, queue, training[, address])``, refreshed every ``update_period`` seconds and expiring after
-``2 * update_period``. Every DHT key of a run is named here (records, the run's layout, optimizer prefixes,
-checkpoint claims and the latest checkpoint).
+``(state, throughput, queue, training[, address[, movable]])``, refreshed every ``update_period`` seconds and
+expiring after ``2 * update_period``. Every DHT key of a run is named here (records, the run's layout, optimizer
+prefixes, checkpoint claims and the latest checkpoint).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ class PeerState(IntEnum):
 @dataclass(frozen=True)
 class PeerRecord:
     """What a peer says about itself: its stage (None: it only drives), state, compute throughput (samples/s),
-    queued samples, whether it is still training on its own data, and the ``host:port`` of its direct tensor path
-    (:mod:`~lightning_swarm.transport`; empty: libp2p only)."""
+    queued samples, whether it is still training on its own data, the ``host:port`` of its direct tensor path
+    (:mod:`~lightning_swarm.transport`; empty: libp2p only), and whether it moves when the rebalancing plan chooses
+    it (False: its rebalancing is off or paused; it counts at its stage, but no plan moves it)."""
 
     peer_id: str
     stage: Optional[int]
@@ -40,20 +41,26 @@ class PeerRecord:
     queue: int
     training: bool = False
     address: str = ""
+    movable: bool = True
 
     def to_value(self) -> tuple:
         value = (int(self.state), float(self.throughput), int(self.queue), int(self.training))
+        if not self.movable:
+            return (*value, self.address, 0)
         return (*value, self.address) if self.address else value
 
     @classmethod
     def from_value(cls, peer_id: str, stage: Optional[int], value: object) -> Optional[PeerRecord]:
         """Parse a record, or None for one that is malformed (records come from other peers)."""
         try:
-            state, throughput, queue, training, *address = value  # records without an address: older peers
-            if len(address) > 1 or not all(isinstance(a, str) and len(a) <= 64 for a in address):
+            state, throughput, queue, training, *rest = value  # older peers: no address, no movable flag (True)
+            if len(rest) > 2 or (rest and not (isinstance(rest[0], str) and len(rest[0]) <= 64)):
                 return None
+            if len(rest) == 2 and not isinstance(rest[1], int):  # bool is an int
+                return None
+            address, movable = (rest[0] if rest else ""), (bool(rest[1]) if len(rest) == 2 else True)
             state = PeerState(int(state))
-            return cls(str(peer_id), stage, state, float(throughput), int(queue), bool(training), *address)
+            return cls(str(peer_id), stage, state, float(throughput), int(queue), bool(training), address, movable)
         except (TypeError, ValueError):
             return None
 

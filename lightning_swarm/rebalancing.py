@@ -21,8 +21,10 @@ The swarm trains as fast as its slowest stage, whose capacity is the summed thro
 
 Every peer computes the plan from the same records with the same tie-breaks (peer ids hashed with the round
 number), so peers agree on who moves without a coordinator, and only the chosen peers move. A peer that moved,
-or joined, does not move for ``cooldown`` seconds. Peers that are joining count at their stage but do not move;
-peers that are leaving do not count. A peer whose throughput is not measured yet counts as the median peer.
+or joined, does not move for ``cooldown`` seconds. Peers that are joining count at their stage but do not move,
+nor do peers whose records say they do not rebalance (rebalancing off, or paused: a trainer that finished): a plan
+that chose one would wait for a move that never comes, round after round (a stage without peers stayed empty).
+Peers that are leaving do not count. A peer whose throughput is not measured yet counts as the median peer.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ def make_plan(swarm: list[dict[str, PeerRecord]], round_: int = 0, margin: float
     throughput = _estimated_throughput(records)
     allocation = {r.peer_id: r.stage for r in records}
     movable = sorted(
-        (r.peer_id for r in records if r.state == PeerState.SERVING), key=lambda peer: _tiebreak(peer, round_)
+        (r.peer_id for r in records if r.state == PeerState.SERVING and r.movable),
+        key=lambda peer: _tiebreak(peer, round_),
     )
     totals = capacities(allocation, throughput, num_stages)
     current, start = min(totals), dict(allocation)

@@ -286,9 +286,11 @@ class StageHost:
     # ---- records, the swarm's view and metrics --------------------------------------------------------------------
 
     def record(self, state: PeerState, stage: Optional[int] = None) -> PeerRecord:
-        """This peer's record: its stage (by default, the one served), state, load and direct address."""
+        """This peer's record: its stage (by default, the one served), state, load, direct address, and whether
+        it moves when a rebalancing plan chooses it (only while its rebalancer runs, not paused)."""
         info = self.server.info() if self.server is not None and stage is None else {}
         served = self.stage.index if self.stage is not None else None
+        rebalancer = self._rebalancer
         return PeerRecord(
             self.peer_id,
             served if stage is None else stage,
@@ -297,15 +299,16 @@ class StageHost:
             info.get("queued_samples", 0),
             self.training,
             self._direct_address if self.server is not None else "",
+            movable=rebalancer is not None and not rebalancer.paused.is_set(),
         )
 
     def set_training(self, training: bool) -> None:
         """Tell the swarm whether this peer still trains: serving peers that finished wait for it."""
         self.training = training
-        if self._announcer is not None:
-            self._announcer.announce()
         if not training and self._rebalancer is not None:
             self._rebalancer.paused.set()  # about to leave: a move would only cost the swarm a download
+        if self._announcer is not None:
+            self._announcer.announce()  # paused first: announced as a peer that no longer moves
 
     def watch(self, rebalance: bool) -> None:
         """Follow the swarm's records (for events and metrics) and, if asked, rebalance this peer."""
@@ -319,6 +322,8 @@ class StageHost:
                 self.peer_id, settings.rebalance_period, lambda: self._watcher.latest, self._request_move
             )
             self._rebalancer.start()
+            if self._announcer is not None:
+                self._announcer.announce()  # now a peer that moves: plans may choose it
 
     def _on_swarm_change(self, kind: str, peer: str, before: Optional[PeerRecord], after: Optional[PeerRecord]) -> None:
         if kind == "joined":
