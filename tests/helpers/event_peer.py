@@ -1,5 +1,6 @@
 """A peer of the GPT example for tests: it trains on the swarm (serving a stage too) until SIGTERM, and records every
-swarm event it receives, beside SwarmMonitor, a CSV logger, ModelCheckpoint and EarlyStopping.
+swarm event it receives, beside SwarmMonitor, a CSV logger, ModelCheckpoint and EarlyStopping; after each batch it
+writes its step (``steps``) and the calls its router sent to each peer (``calls.json``).
 
     python tests/helpers/event_peer.py OUT_DIR     # configured by SWARM_* variables, like examples/gpt.py
 """
@@ -36,9 +37,13 @@ class Recorder(SwarmCallback):
     on_swarm_stage_step = on_swarm_failover = _record
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # each replaced at once: tests read them while training goes on
         written = self.path.parent / "steps.tmp"
         written.write_text(str(trainer.global_step))
-        written.replace(self.path.parent / "steps")  # at once: tests read it while training goes on
+        written.replace(self.path.parent / "steps")
+        calls = self.path.parent / "calls.tmp"  # calls this peer's router sent to each peer so far
+        calls.write_text(json.dumps(trainer.strategy.router_stats.chosen))
+        calls.replace(self.path.parent / "calls.json")
 
 
 def main() -> None:
