@@ -786,7 +786,7 @@ def write(runs: list[dict], path: Path) -> None:
         verdicts = targets(run["rows"])
         history.append(
             [run["date"], run["commit"] or "-", f"{run['label']}, {run['updates']} updates"]
-            + [("met " if v["met"] else "missed ") + ", ".join(map(str, v["figures"])) for v in verdicts.values()]
+            + [("met: " if v["met"] else "missed: ") + _span(v["figures"]) for v in verdicts.values()]
         )
     names = list(targets(runs[-1]["rows"]))
     cal = latest["calibration"]
@@ -808,6 +808,9 @@ def write(runs: list[dict], path: Path) -> None:
         f"{load['end'][0]:.1f} at its end (2 cores, shared).",
         "",
         "### Targets, one row per run (today's code first)",
+        "",
+        "Figures: E; ms for the gaps and hops; multiples of ideal for turnarounds, step stall and framework CPU (the "
+        "process with the most); ranges over the phases judged.",
         "",
         *table(["date", "commit", "run", *names], history),
         "",
@@ -851,6 +854,13 @@ def load_kept(directory: Path, name: str) -> tuple[dict, list[dict]]:
     extra = json.loads((directory / f"{name}.json").read_text())
     run = {"records": np.load(directory / f"{name}.npy"), "cpu": extra["cpu"], "seconds": extra["seconds"]}
     return run, extra["phases"]
+
+
+def _span(figures: list[float]) -> str:
+    """A target's figures in a cell: all of them if few, else their range and count."""
+    if len(figures) <= 2:
+        return ", ".join(f"{f:g}" for f in figures)
+    return f"{min(figures):g} to {max(figures):g} ({len(figures)} phases)"
 
 
 def commit() -> Optional[str]:
