@@ -23,8 +23,13 @@ its timed ones. Per phase:
 - each process's framework CPU seconds per batch: its CPU time less the emulated launch holds (and sync spins), and
   its helper processes' (p2pd, hivemind's DHT and averagers) apart.
 
-    python benchmarks/gpu_proxy.py           # ~7 min on 2 cores; writes benchmarks/RESULTS.md, results/gpu_proxy.json
-    python benchmarks/gpu_proxy.py --quick   # ~45 s smoke: d_model 1024, 2 and 4 microbatches, 3 timed batches
+    python benchmarks/gpu_proxy.py                   # ~5 min on 2 cores; RESULTS.md and results/gpu_proxy.json
+    python benchmarks/gpu_proxy.py --updates delayed # the strategy's default updates (~7 min)
+    python benchmarks/gpu_proxy.py --quick           # ~1 min smoke: d_model 1024, 2 and 4 microbatches
+
+``--keep DIR`` saves each swarm's timeline (every kernel, copy, sync and swarm event, numpy) and CPU samples, to look
+into a profile beyond the tables (``load_kept`` and ``analyse`` read them back); ``--bf16`` divides the block times
+by 2.2.
 
 Targets (issue 25): E >= 0.9 at d_model 2048 and >= 0.6 at 1024; median gap while a request is queued <= 0.1 ms;
 hop p50 <= 2 ms at 2 MiB; turnarounds <= 5% and step stall <= 5% of ideal with a step every batch; framework CPU
