@@ -13,7 +13,7 @@ import time
 import pytest
 from helpers import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.append(str(ROOT / "benchmarks"))  # after everything else: its scripts shadow nothing
 import emulated_device as emu  # noqa: E402
 
 
