@@ -24,6 +24,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from harness import STAGES, SWARM, model_args, script_parser, steady_throughput, train_on_swarm  # noqa: E402
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
 
+# what each trainer's history says it did, kept with the raw figures
+TRAINED = ("steps", "samples", "times", "bytes_sent", "calls_per_peer", "failovers", "recomputed")
+
 
 def main() -> None:
     parser = script_parser(__doc__, "a tiny model and a few steps, to check the script")
@@ -47,6 +50,7 @@ def main() -> None:
     }
     trainers = [["--data-seed", str(i)] for i in range(a.trainers)]
     runs: dict[str, list[float]] = {"synchronous": [], "delayed": []}
+    trained: dict[str, list[list[dict]]] = {label: [] for label in runs}  # each run's trainers: what they did
     with tempfile.TemporaryDirectory(prefix="delayed_") as tmp:
         for repeat in range(a.repeats):
             for label in runs:
@@ -54,6 +58,7 @@ def main() -> None:
                 run_id = f"dpu{repeat}_{label}"
                 histories, _ = train_on_swarm(args, Path(tmp), run_id, run_env, trainers, a.peers_per_stage)
                 runs[label].append(sum(steady_throughput(h) for h in histories))
+                trained[label].append([{k: h[k] for k in TRAINED} for h in histories])
                 print(f"{label:12s} run {repeat}: {runs[label][-1]:.1f} samples/s", flush=True)
     ratios = [d / s for s, d in zip(runs["synchronous"], runs["delayed"])]
     lines = [
@@ -76,8 +81,9 @@ def main() -> None:
         f"Median gain of delayed updates: {statistics.median(ratios):.2f}x.",
     ]
     update_section("delayed_updates", lines, Path(a.out))
-    if not a.smoke:
-        save_data("delayed_updates", {**runs, "ratios": ratios})
+    setup = dict(d_model=a.d_model, steps=a.steps, batch_size=a.batch_size, block_size=64, microbatches=a.microbatches)
+    data = {**runs, "ratios": ratios, "setup": {**setup, "trainers": a.trainers}, "trained": trained}
+    save_data("delayed_updates", data, Path(a.out).parent / "results")
 
 
 if __name__ == "__main__":

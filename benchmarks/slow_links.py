@@ -82,7 +82,10 @@ def measure(link: Link, codec: str, d_model: int, p: Plan, a: argparse.Namespace
     args = model_args(d_model, p.steps, a.batch_size, a.block_size)
     with tempfile.TemporaryDirectory(prefix="slow_links_") as tmp:
         history = swarm(args, Path(tmp), f"slow{d_model}_{CODECS[codec]}", a.delayed, a.microbatches)
-    return {"swarm": steady_throughput(history), "sent": history["bytes_sent"] / history["steps"]}
+    sent = history["bytes_sent"] / history["steps"]
+    setup = {"steps": history["steps"], "batch_size": a.batch_size, "block_size": a.block_size}
+    setup["microbatches"] = a.microbatches
+    return {"swarm": steady_throughput(history), "sent": sent, "failovers": history["failovers"], "setup": setup}
 
 
 def in_namespace(link: Link, codec: str, d_model: int, timeout: float = 1800) -> dict:

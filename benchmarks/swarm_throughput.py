@@ -99,6 +99,7 @@ def main() -> None:
             args = model_args(d_model, steps, a.batch_size, a.block_size)
             reference = plain(args, work)
             row = {"d_model": d_model, "plain": steady_throughput(reference), "plain_peak_rss": reference["peak_rss"]}
+            row["setup"] = {"steps": steps, "batch_size": a.batch_size, "block_size": a.block_size}
             row["stages_alone"] = stages_alone(args)
             ideal = min(row["stages_alone"])
             activation = a.batch_size * a.block_size * d_model * 4  # fp32 bytes at one boundary, per batch
@@ -109,6 +110,7 @@ def main() -> None:
                 row[f"{label} call_seconds"] = steady_call_seconds(history)
                 row[f"{label} peak_rss"] = [history["peak_rss"], *history["stage_peak_rss"]]
                 row[f"{label} recomputed"] = history["recomputed"]
+                row[f"{label} failovers"] = history["failovers"]
                 print(
                     f"d_model {d_model:4d} | {label:28s} | {row[label]:7.1f} samples/s, efficiency "
                     f"{row[label] / ideal:.3f} (slowest stage alone {ideal:.1f}/s, plain {row['plain']:.1f}/s)",
@@ -116,8 +118,7 @@ def main() -> None:
                 )
             rows.append(row)
     write(rows, variants, Path(a.out), smoke=a.smoke, steps=steps, batch=a.batch_size, block=a.block_size)
-    if not a.smoke:
-        save_data("swarm_throughput", rows)
+    save_data("swarm_throughput", rows, Path(a.out).parent / "results")
 
 
 def write(rows: list[dict], variants: list, path: Path, smoke: bool, steps: int, batch: int, block: int) -> None:
