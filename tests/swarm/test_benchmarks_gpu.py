@@ -12,7 +12,10 @@ import sys
 import time
 
 import psutil
+import pytest
 from helpers import ROOT
+
+CPU_RUN = ["--device", "cpu", "--precision", "32-true", "--updates", "synchronous"]
 
 
 def gpu_bench(tmp_path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -46,11 +49,41 @@ def test_gpu_smoke_skips_without_cuda(tmp_path, monkeypatch):
     assert not (tmp_path / "RESULTS.md").exists()
 
 
-def test_gpu_harness_on_cpu(tmp_path):
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """The whole GPU benchmark run on the CPU with a tiny model (plain and the synchronous swarm): its directory."""
+    directory = tmp_path_factory.mktemp("cpu_run")
+    result = gpu_bench(directory, *CPU_RUN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return directory
+
+
+@pytest.fixture(scope="module")
+def failed_run(tmp_path_factory):
+    """A run whose processes fail (an unknown precision): its directory."""
+    directory = tmp_path_factory.mktemp("failed_run")
+    result = gpu_bench(directory, "--device", "cpu", "--precision", "no-such-precision", "--updates", "synchronous")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return directory
+
+
+@pytest.fixture(scope="module")
+def timed_out_run(tmp_path_factory):
+    """The swarm of cpu_run's configuration past --timeout: its directory."""
+    directory = tmp_path_factory.mktemp("timed_out_run")
+    result = gpu_bench(directory, *CPU_RUN, "--no-plain", "--batches", "1000", "--timeout", "25")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return directory
+
+
+def runs_of(directory) -> list[dict]:
+    return json.loads((directory / "results" / "gpu.json").read_text())["runs"]
+
+
+def test_gpu_harness_on_cpu(cpu_run):
     """The whole GPU benchmark, on the CPU with a tiny model: plain and swarm figures, memory columns "n/a" (one update
     mode: the other only sets the swarm's SWARM_DELAYED_UPDATES)."""
-    result = gpu_bench(tmp_path, "--device", "cpu", "--precision", "32-true", "--updates", "synchronous")
-    assert result.returncode == 0, result.stderr[-3000:]
+    tmp_path = cpu_run
     text = (tmp_path / "RESULTS.md").read_text()
     assert "To be measured on a lent GPU" in text and "python3 benchmarks/gpu.py --out $OUT/RESULTS.md ARGS" in text
     for updates in ("synchronous",):
@@ -74,10 +107,9 @@ def test_gpu_harness_on_cpu(tmp_path):
         assert r["batches"] == 5 and all(r["memory"][name]["reserved"] is None for name in names), r
 
 
-def test_gpu_harness_reports_failed_runs(tmp_path):
+def test_gpu_harness_reports_failed_runs(failed_run):
     """A run whose processes fail is reported, and the benchmark goes on and exits 0."""
-    result = gpu_bench(tmp_path, "--device", "cpu", "--precision", "no-such-precision", "--updates", "synchronous")
-    assert result.returncode == 0, result.stderr[-3000:]
+    tmp_path = failed_run
     runs = json.loads((tmp_path / "results" / "gpu.json").read_text())["runs"]
     assert sorted((r["kind"], r["status"]) for r in runs) == [("plain", "failed"), ("swarm", "failed")], runs
     assert all("no-such-precision" in r["error"] for r in runs), runs
@@ -85,11 +117,9 @@ def test_gpu_harness_reports_failed_runs(tmp_path):
     assert "| no-such-precision | synchronous | failed | failed | - | - |" in text, text
 
 
-def test_gpu_harness_reports_timed_out_runs(tmp_path):
+def test_gpu_harness_reports_timed_out_runs(timed_out_run):
     """A swarm run past --timeout: reported with the samples/s of the batches it finished, its peers stopped."""
-    args = ["--device", "cpu", "--no-plain", "--precision", "32-true", "--updates", "synchronous"]
-    result = gpu_bench(tmp_path, *args, "--batches", "1000", "--timeout", "25")
-    assert result.returncode == 0, result.stderr[-3000:]
+    tmp_path = timed_out_run
     (run,) = json.loads((tmp_path / "results" / "gpu.json").read_text())["runs"]
     assert run["status"] == "timed out" and 2 < run["batches"] < 1002 and run["samples_per_s"] > 0, run
     assert (
@@ -124,43 +154,55 @@ def test_gpu_harness_stops_peers_on_sigterm(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_gpu_report(tmp_path):
-    """Merging results from separate commands: a run replaces the earlier one of its configuration; the ratio, the
-    stage peers' share of plain training's memory and out-of-memory runs are reported."""
-    gib = 2**30
-
-    def run(kind: str, updates, status: str = "ok", speed: float = 0.0, reserved: tuple = ()) -> dict:
-        names = ["plain"] if kind == "plain" else ["trainer", "stage 0", "stage 1"]
-        memory = {
-            name: {"allocated": size // 2, "reserved": size, "nvidia_smi": size + gib}
-            for name, size in zip(names, reserved)
-        }
-        run = dict(device="H100", d_model=2048, n_layer=8, batch=8, block=512, precision="bf16-mixed", kind=kind)
-        run.update(
-            updates=updates, microbatches=None, status=status, memory={**memory, "total": {"nvidia_smi": 30 * gib}}
-        )
-        return {**run, "samples_per_s": speed} if status == "ok" else {**run, "oom_in": ["stage0_0"], "error": "x"}
-
-    first = [
-        run("plain", None, speed=40.0, reserved=(10 * gib,)),
-        run("swarm", "synchronous", speed=8.0, reserved=(gib,) * 3),
-    ]
-    later = [
-        run("swarm", "synchronous", speed=32.0, reserved=(gib, 5 * gib, 6 * gib)),
-        run("swarm", "delayed", "out of memory"),
-    ]
-    for name, runs in (("first.json", first), ("later.json", later)):
+def test_gpu_report(cpu_run, timed_out_run, failed_run, tmp_path):
+    """Merging the results of separate commands, here the measured runs of the tests above: a run replaces the
+    earlier one of its configuration (the timed-out swarm replaces the finished one, and the other way round), the
+    swarm / plain ratio is that of the merged runs' own figures, a failed configuration is reported beside them, and
+    the stage peers' share of plain training's memory is the larger stage's reserved memory over plain's."""
+    plain = next(r for r in runs_of(cpu_run) if r["kind"] == "plain")
+    finished = next(r for r in runs_of(cpu_run) if r["kind"] == "swarm")
+    (timed_out,) = runs_of(timed_out_run)
+    files = {"ok.json": runs_of(cpu_run), "timed_out.json": [timed_out], "failed.json": runs_of(failed_run)}
+    for name, runs in files.items():
         (tmp_path / name).write_text(json.dumps({"runs": runs}))
-    command = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--out", str(tmp_path / "RESULTS.md"), "--merge"]
-    subprocess.run([*command, str(tmp_path / "first.json"), str(tmp_path / "later.json")], check=True, timeout=120)
-    text = (tmp_path / "RESULTS.md").read_text()
-    assert "| H100 | 2048 | 8 blocks, 8x512 | bf16-mixed | synchronous | 40.00 | 32.00 | 0.800 | - |" in text, text
-    assert "| bf16-mixed | delayed | 40.00 | out of memory (stage0_0) | - | - |" in text, text
-    assert (
-        "| 10240 (5120) / 11264 | 1024 (512) / 2048 | 5120 (2560) / 6144 | 6144 (3072) / 7168 | 0.60 | 30720 |" in text
-    )
-    assert "To be measured on a lent GPU" not in text
-    assert len(json.loads((tmp_path / "results" / "gpu.json").read_text())["runs"]) == 3
+    label = "| cpu | 64 | 2 blocks, 4x32 | 32-true | synchronous |"
+    for order, swarm in ((["ok", "timed_out"], timed_out), (["timed_out", "ok"], finished)):
+        out = tmp_path / "-".join(order) / "RESULTS.md"
+        out.parent.mkdir()
+        merge = [str(tmp_path / f"{name}.json") for name in [*order, "failed"]]
+        command = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--out", str(out), "--merge", *merge]
+        subprocess.run(command, check=True, timeout=120)
+        merged = runs_of(out.parent)
+        assert len(merged) == 4 and swarm in merged and plain in merged, merged  # one run per configuration
+        text = out.read_text()
+        if swarm is timed_out:
+            cells = f"{plain['samples_per_s']:.2f} | timed out ({swarm['samples_per_s']:.2f} over {swarm['batches']} "
+            assert f"{label} {cells}batches) | - |" in text, text
+        else:
+            ratio = swarm["samples_per_s"] / plain["samples_per_s"]
+            cells = f"{plain['samples_per_s']:.2f} | {swarm['samples_per_s']:.2f} | {ratio:.3f} |"
+            assert f"{label} {cells}" in text, text
+        assert "| no-such-precision | synchronous | failed | failed | - | - |" in text, text
+
+    # the memory columns of a GPU run: the CPU runs' processes with reserved, allocated and nvidia-smi figures
+    gib = 2**30
+    reserved = {"plain": 10 * gib, "trainer": gib, "stage 0": 5 * gib, "stage 1": 6 * gib}
+    on_gpu = [
+        {**run, "device": "H100", "memory": {**figures, "total": {"nvidia_smi": 30 * gib}}}
+        for run, figures in (
+            (plain, {"plain": {"reserved": reserved["plain"], "allocated": gib, "nvidia_smi": 11 * gib}}),
+            (finished, {n: {"reserved": reserved[n], "allocated": gib, "nvidia_smi": 7 * gib} for n in reserved}),
+        )
+    ]
+    (tmp_path / "gpu.json").write_text(json.dumps({"runs": on_gpu}))
+    out = tmp_path / "gpu" / "RESULTS.md"
+    out.parent.mkdir()
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--out", str(out), "--merge"]
+    subprocess.run([*command, str(tmp_path / "gpu.json")], check=True, timeout=120)
+    share = max(reserved["stage 0"], reserved["stage 1"]) / reserved["plain"]
+    cells = [f"{reserved[n] // 2**20} (1024) / {7168 if n != 'plain' else 11264}" for n in reserved]
+    assert f"| {' | '.join(cells)} | {share:.2f} | 30720 |" in out.read_text(), out.read_text()
+    assert "To be measured on a lent GPU" not in out.read_text()
 
 
 def test_gpu_out_of_memory_is_reported():
