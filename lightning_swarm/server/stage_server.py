@@ -375,8 +375,16 @@ class StageServer(ServicerBase):
         """Refuse, from the tensors' headers alone, a request whose activations (``messages``) claim no samples or too
         many, or whose tensors claim more bytes than the cap."""
         widest = max(d.itemsize for d in compression.DTYPES.values())
-        total = sum(math.prod(m.size) * max(d.itemsize for d in self.activation_dtypes) for m in messages)
-        total += sum(math.prod(m.size) * widest for m in sides)
+        activation = max(d.itemsize for d in self.activation_dtypes)
+        sizes = [math.prod(m.size) * activation for m in messages] + [math.prod(m.size) * widest for m in sides]
+        for message, size in zip([*messages, *sides], sizes):
+            if size > self.max_request_bytes:
+                raise SwarmRequestError(
+                    f"tensor of shape {list(message.size)} exceeds the cap of {self.max_request_bytes} bytes"
+                )
+        if sum(sizes) > self.max_request_bytes:
+            shapes = [list(m.size) for m in [*messages, *sides]]
+            raise SwarmRequestError(f"tensors of shapes {shapes} exceed the cap of {self.max_request_bytes} bytes")
         for message in messages:
             if not message.size:
                 raise SwarmRequestError("a tensor without a batch dimension")
@@ -385,9 +393,6 @@ class StageServer(ServicerBase):
                     f"a request may claim at most {self.max_request_samples} samples (max_request_samples), this one "
                     f"claims {message.size[0]}"
                 )
-        if total > self.max_request_bytes:
-            shapes = [list(m.size) for m in [*messages, *sides]]
-            raise SwarmRequestError(f"tensors of shapes {shapes} exceed the cap of {self.max_request_bytes} bytes")
 
     def _decode_request(
         self,

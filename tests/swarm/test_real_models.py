@@ -66,6 +66,7 @@ def test_rebalancing_and_failover_with_side_inputs(model_swarm, tmp_path):
         f"{final['failovers']} failovers, {failed} failed calls to it"
     )
     assert final["steps"] == steps and len(final["losses"]) == steps
-    assert final["failovers"] == failed  # every failed call was retried elsewhere and succeeded there
+    # every failed call to it was retried elsewhere and succeeded there (other peers' moves fail calls over too)
+    assert final["failovers"] >= failed
     assert final["side_bytes_sent"] > 0
     assert failed <= 2 * 4  # the calls in flight at the kill at most (2 per microbatch, at most 4 microbatches)
