@@ -154,7 +154,9 @@ class RemotePipeline(nn.Module):
         ``keep``: the peers keep the forward's graph for the backward that follows."""
         hops = self._hops(segment)
         parts = self._split(inputs.detach(), [] if segment is None else segment.calls)
-        sides = [self._side_requests(hops, calls) for _, calls in parts]
+        # a side input shared by the microbatches is encoded once; the tensor is held so that its id stays its own
+        encoded: dict[int, tuple[torch.Tensor, compression.WireTensor]] = {}
+        sides = [self._side_requests(hops, calls, encoded) for _, calls in parts]
         train = self.training if segment is None else segment.training
         n = len(parts)
         results = self._map(self._forward_route, [x for x, _ in parts], sides, [hops] * n, [keep] * n, [train] * n)
@@ -204,7 +206,12 @@ class RemotePipeline(nn.Module):
         xs = inputs.chunk(count)
         return [(x, [_slice_call(call, pieces, i) for call in calls]) for i, x in enumerate(xs)]
 
-    def _side_requests(self, hops: list[tuple[int, Hop]], calls: list[Call]) -> list[Optional[Request]]:
+    def _side_requests(
+        self,
+        hops: list[tuple[int, Hop]],
+        calls: list[Call],
+        encoded: dict[int, tuple[torch.Tensor, compression.WireTensor]],
+    ) -> list[Optional[Request]]:
         """Each hop's side inputs for one microbatch (None for a whole stage): each distinct tensor once per hop,
         sent exactly."""
         requests = []
@@ -213,7 +220,10 @@ class RemotePipeline(nn.Module):
                 requests.append(None)
                 continue
             tree, tensors = block_calls.pack(calls[begin : begin + len(hop.calls)])
-            messages = [compression.encode(t, "none") for t in tensors]
+            for t in tensors:
+                if id(t) not in encoded:
+                    encoded[id(t)] = (t, compression.encode(t, "none"))
+            messages = [encoded[id(t)][1] for t in tensors]
             requests.append(Request(messages, {"calls": tree}))
         return requests
 
