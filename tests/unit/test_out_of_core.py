@@ -205,10 +205,10 @@ def test_an_out_of_core_stage_takes_side_inputs_exactly_as_the_resident_one():
             [ask(s, "forward", [x, *tensors], calls=tree, train=False) for s in (resident, swapped)],
             [ask(s, "backward", [x, torch.ones_like(x), *tensors], calls=tree) for s in (resident, swapped)],
         ]
-        for expected, got in answers:
-            assert torch.equal(got, expected)
-        for p, q in zip(resident.module.parameters(), swapped.module.parameters()):
-            assert torch.equal(p, q)  # both stepped on the same gradients
     finally:
-        resident.shutdown()
+        resident.shutdown()  # joins the worker: the step that follows the backward's answer has run
         swapped.shutdown()
+    for expected, got in answers:
+        assert torch.equal(got, expected)
+    for p, q in zip(resident.module.parameters(), swapped.module.parameters()):
+        assert torch.equal(p, q)  # both stepped on the same gradients
