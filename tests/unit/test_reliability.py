@@ -17,6 +17,7 @@ from hivemind.p2p import P2P
 
 from lightning_swarm import compression, protocol, transport
 from lightning_swarm.block_calls import MetaBlocks
+from lightning_swarm.client import routing
 from lightning_swarm.client.remote_pipeline import RemotePipeline
 from lightning_swarm.client.routing import PeerLoad, StageRouter
 from lightning_swarm.discovery import PeerRecord, PeerState
@@ -34,28 +35,49 @@ CPU = torch.device("cpu")
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
+class FakeClock:
+    """Stands in for the ``time`` module in routing: ``sleep`` advances ``monotonic`` at once, so that waits and pauses
+    are counted exactly and cost no real time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.now += seconds
+
+
 def test_wait_for_a_stage_is_not_restarted_by_retrying_a_banned_peer(monkeypatch):
     """A dead peer's record outlives it: each time its ban expires it is tried again, and fails. The time without a
     live peer counts from the first wait on, so the call gives up after stage_wait_timeout (not after max_retries
-    attempts spaced by growing pauses, with the wait restarted at each)."""
+    attempts spaced by growing pauses, with the wait restarted at each). On a fake clock: the give-up time and the
+    attempts are exact, whatever the machine's load."""
+    clock = FakeClock()
+    monkeypatch.setattr(routing, "time", clock)
     router = StageRouter(None, "run", 1, max_retries=6, stage_wait_timeout=2.0)
-    banned_until = 0.0
+    banned_until, attempts = 0.0, []
 
     def choose(stage, batch, exclude=frozenset()):
-        return None if "dead" in exclude or time.monotonic() < banned_until else "dead"
+        return None if "dead" in exclude or clock.now < banned_until else "dead"
 
     def call_dead_peer(*args):
         nonlocal banned_until
-        banned_until = time.monotonic() + 1.5  # longer than the first pauses between attempts
+        attempts.append(clock.now)
+        banned_until = clock.now + 1.5  # longer than the first pauses between attempts
         raise ConnectionError("dead")
 
     monkeypatch.setattr(router, "refresh", lambda stage, force=False: None)
     monkeypatch.setattr(router, "choose", choose)
     monkeypatch.setattr(router, "call_peer", call_dead_peer)
-    start = time.monotonic()
     with pytest.raises(StageUnavailableError, match="has had no live peer for"):
         router.call(0, "forward", [], {}, 1)
-    assert time.monotonic() - start < 6.0
+    # the dead peer was retried once its ban expired, and the wait went on counting from the first one: it gave up
+    # within one pause and one wait tick of stage_wait_timeout, long before max_retries attempts
+    assert 2 <= len(attempts) < router.max_retries and attempts == sorted(attempts), attempts
+    assert router.stage_wait_timeout <= clock.now <= router.stage_wait_timeout + 1.5, (clock.now, attempts)
 
 
 class InProcessNode:
