@@ -112,24 +112,38 @@ def deserialize(
     """Decode a message written by ``serialize`` (on the CPU, or on ``device``); ``ValueError`` if it is malformed."""
     device = torch.device("cpu" if device is None else device)
     shape = tuple(message.size)  # unsigned on the wire
-    numel, buffer = math.prod(shape), message.buffer  # each read of .buffer copies it: read it once
+    dtype, length = _layout(message)
+    raw = _view(message.buffer, length)  # each read of .buffer copies it: read once
     if message.compression == runtime_pb2.CompressionType.NONE:
-        dtype = _dtype(message.dtype)
-        raw = _view(buffer, numel * dtype.itemsize)
         if dtype == torch.bool and bool((raw > 1).any()):
             raise ValueError("bool tensor with bytes other than 0 and 1")
         return _owned(_to(raw, device), raw).view(dtype).reshape(shape)
     if message.compression == runtime_pb2.CompressionType.FLOAT16:
-        dtype = _dtype(message.dtype, floating=True)
-        half = _to(_view(buffer, numel * 2), device).view(torch.float16)
+        half = _to(raw, device).view(torch.float16)
         return _owned(half.to(dtype), half).reshape(shape)
+    raw, blocks = _to(raw, device), -(-math.prod(shape) // BLOCK_SIZE)
+    return _dequantize(raw[4 * blocks :], raw[: 4 * blocks].view(torch.float32), dtype).reshape(shape)
+
+
+def check_framing(message: Union[WireTensor, runtime_pb2.Tensor]) -> None:
+    """``ValueError`` unless the message's header names a known dtype and codec and its buffer has the length they
+    give for its shape: what can be checked without decoding (the values are not looked at)."""
+    _view(message.buffer, _layout(message)[1])
+
+
+def _layout(message: Union[WireTensor, runtime_pb2.Tensor]) -> tuple[torch.dtype, int]:
+    """The dtype a message decodes to and the length of buffer its header gives (``ValueError`` if it names no
+    known dtype or codec)."""
+    numel = math.prod(message.size)
+    if message.compression == runtime_pb2.CompressionType.NONE:
+        dtype = _dtype(message.dtype)
+        return dtype, numel * dtype.itemsize
+    if message.compression == runtime_pb2.CompressionType.FLOAT16:
+        return _dtype(message.dtype, floating=True), numel * 2
     if message.compression == runtime_pb2.CompressionType.BLOCKWISE_8BIT:
         if not message.dtype.endswith(EIGHT_BIT_TAG):
             raise ValueError(f"8-bit tensor with dtype {message.dtype!r}: expected '<dtype>{EIGHT_BIT_TAG}'")
-        dtype = _dtype(message.dtype.removesuffix(EIGHT_BIT_TAG), floating=True)
-        blocks = -(-numel // BLOCK_SIZE)
-        raw = _to(_view(buffer, 4 * blocks + numel), device)
-        return _dequantize(raw[4 * blocks :], raw[: 4 * blocks].view(torch.float32), dtype).reshape(shape)
+        return _dtype(message.dtype.removesuffix(EIGHT_BIT_TAG), floating=True), 4 * -(-numel // BLOCK_SIZE) + numel
     raise ValueError(f"unsupported compression {message.compression}")
 
 

@@ -9,6 +9,12 @@ class SwarmRequestError(ValueError):
     and retrying it on another peer cannot help."""
 
 
+class NonFiniteInputError(SwarmRequestError):
+    """A request's activation or gradient holds NaN or Inf. When the caller relayed that tensor from another stage's
+    reply unread (the trainer checks intermediate replies by their header only), that stage's peer is at fault: the
+    caller bans it and runs its hop again elsewhere; otherwise the caller got it wrong."""
+
+
 class PeerNotAllowedError(PermissionError):
     """A peer off the allow-list, or without the swarm's secret, called this peer."""
 

@@ -18,6 +18,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from lightning_swarm.errors import (
     ActivationsLostError,
+    NonFiniteInputError,
     NotServingError,
     PeerNotAllowedError,
     StageBusyError,
@@ -27,6 +28,7 @@ from lightning_swarm.errors import (
 
 # what a stage server sends back by name (libp2p and the direct path alike), and callers raise again by that name
 WIRE_ERRORS = (
+    NonFiniteInputError,
     SwarmRequestError,
     PeerNotAllowedError,
     StageBusyError,

@@ -9,11 +9,13 @@ hop (and its side inputs) is also kept on the caller: if that peer died or dropp
 gradient to any peer of the stage, which recomputes the forward from them.
 
 Activations and gradients are encoded once, where they are made: a stage's reply goes on to the next stage as it
-came, compressed, and only the pipeline's output and input gradient are kept decoded here (as the check decoded
-them). Every reply is checked first (:class:`~lightning_swarm.client.routing.ReplyCheck`): a forward's output has
-the microbatch's samples, finite values, and the shape (and under ``-true`` precisions the dtype) that the blocks
-on the meta device return for that input; a backward's input gradient has the hop input's shape and dtype. A peer
-that answers otherwise is banned and the microbatch goes to another peer. Side inputs are sent exactly.
+came, compressed and unread, and only the pipeline's output and input gradient are decoded here, on the device of
+the tensor they replace. Every reply is checked first (:class:`~lightning_swarm.client.routing.ReplyCheck`): a
+forward's output has the microbatch's samples and the shape (and under ``-true`` precisions the dtype) that the
+blocks on the meta device return for that input; a backward's input gradient has the hop input's shape and dtype.
+A relayed reply is checked by its header and framing; its values are checked by the stage it goes to, which refuses
+NaN or Inf (:class:`~lightning_swarm.errors.NonFiniteInputError`), and a reply this process decodes must be finite
+too. A peer that answers otherwise is banned and the microbatch goes to another peer. Side inputs are sent exactly.
 
 A batch is split into equal microbatches that travel through the stages concurrently (each on its own route), so
 that one trainer keeps several stages busy at once and their transfers overlap other microbatches' compute: by
@@ -41,7 +43,7 @@ from lightning_swarm import block_calls, compression, protocol
 from lightning_swarm.block_calls import Call, MetaBlocks
 from lightning_swarm.client.microbatch_tuning import Microbatches, MicrobatchTuner
 from lightning_swarm.client.routing import ReplyCheck, StageRouter
-from lightning_swarm.errors import CALLERS_FAULT, ActivationsLostError
+from lightning_swarm.errors import CALLERS_FAULT, ActivationsLostError, NonFiniteInputError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -232,10 +234,10 @@ class RemotePipeline(nn.Module):
             return list(map(fn, *iterables))
         return list(self._pool.map(fn, *iterables))
 
-    def _reply_check(self, batch: int, hop: Hop) -> ReplyCheck:
-        if hop.output is None:
-            return ReplyCheck(batch)
-        return ReplyCheck(batch, [batch, *hop.output.shape[1:]], hop.output.dtype if self.exact_dtype else None)
+    def _reply_check(self, batch: int, hop: Hop, device: Optional[torch.device]) -> ReplyCheck:
+        shape = None if hop.output is None else [batch, *hop.output.shape[1:]]
+        dtype = hop.output.dtype if hop.output is not None and self.exact_dtype else None
+        return ReplyCheck(batch, shape, dtype, device=device)
 
     def _forward_route(
         self,
@@ -245,39 +247,79 @@ class RemotePipeline(nn.Module):
         keep: bool = False,
         train: bool = True,
     ) -> tuple[torch.Tensor, Route]:
+        """One microbatch through the hops; the last reply is decoded on the input's device, the others go on to the
+        next stage unread. A stage that finds NaN or Inf in the activation relayed to it blames the peer that sent
+        it: that hop runs again on another peer."""
         route, hidden = Route(train), compression.encode(inputs, self.codec)
         self.router.stats.add(samples_sent=int(inputs.shape[0]) if inputs.ndim else 1)
-        for (_, hop), side in zip(hops, sides):
+        blamed = 0
+        while len(route.peers) < len(hops):
+            index = len(route.peers)
+            (_, hop), side = hops[index], sides[index]
             key = uuid.uuid4().hex if keep else None
-            route.stages.append(hop.stage)
-            route.inputs.append(hidden)
-            route.sides.append(side)
-            check = self._reply_check(int(hidden.size[0]), hop)
+            check = self._reply_check(int(hidden.size[0]), hop, inputs.device if index == len(hops) - 1 else None)
             extra = ([], {}) if side is None else (side.tensors, side.metadata)
             if side is not None:
                 self.router.stats.add(side_bytes_sent=protocol.payload_bytes(side.tensors))
-            hidden, peer = self._call(hop.stage, "forward", [hidden, *extra[0]], check, train, keep=key, **extra[1])
+            try:
+                reply, peer = self._call(hop.stage, "forward", [hidden, *extra[0]], check, train, keep=key, **extra[1])
+            except NonFiniteInputError:
+                if index == 0 or blamed >= self.router.max_retries:
+                    raise
+                blamed += 1
+                self.router.blame(route.stages[-1], route.peers[-1], "an activation with NaN or Inf")
+                hidden = route.inputs[-1]
+                for kept in (route.stages, route.inputs, route.sides, route.peers, route.keys):
+                    kept.pop()
+                continue
+            route.stages.append(hop.stage)
+            route.inputs.append(hidden)
+            route.sides.append(side)
             route.peers.append(peer)
             route.keys.append(key)
+            hidden = reply
         return check.decoded, route
 
     def _backward_route(
         self, grad_outputs: torch.Tensor, route: Route, loss_scale: Optional[float] = None
     ) -> torch.Tensor:
-        grad = compression.encode(grad_outputs, self.codec)
-        for hop in reversed(range(len(route.peers))):
-            grad, decoded = self._backward_hop(hop, grad, route, loss_scale)
+        """One microbatch back through its route; only the first hop's input gradient is decoded (on the output
+        gradient's device). A stage that finds NaN or Inf in the gradient relayed to it (never under a loss scale,
+        where NaN reports an overflow) blames the peer that computed it: that hop runs again on another peer."""
+        grads, hop, blamed = [compression.encode(grad_outputs, self.codec)], len(route.peers) - 1, 0
+        while hop >= 0:
+            device = grad_outputs.device if hop == 0 else None
+            try:
+                grad, decoded = self._backward_hop(hop, grads[-1], route, loss_scale, device)
+            except NonFiniteInputError:
+                if hop == len(route.peers) - 1 or blamed >= self.router.max_retries:
+                    raise
+                blamed += 1
+                self.router.blame(route.stages[hop + 1], route.peers[hop + 1], "a gradient with NaN or Inf")
+                route.keys[hop + 1] = None  # its graph is gone, and so is that peer: recompute elsewhere
+                grads.pop()
+                hop += 1
+                continue
+            grads.append(grad)
+            hop -= 1
         return decoded
 
     def _backward_hop(
-        self, hop: int, grad: runtime_pb2.Tensor, route: Route, loss_scale: Optional[float]
-    ) -> tuple[runtime_pb2.Tensor, torch.Tensor]:
+        self,
+        hop: int,
+        grad: runtime_pb2.Tensor,
+        route: Route,
+        loss_scale: Optional[float],
+        device: Optional[torch.device] = None,
+    ) -> tuple[runtime_pb2.Tensor, Optional[torch.Tensor]]:
         """Backward on the peer that kept the forward; else recompute on a peer of the stage from the input (and the
-        side inputs). Returns the input gradient as it came and decoded."""
+        side inputs). Returns the input gradient as it came and, with ``device``, decoded there."""
         stage, peer, failed = route.stages[hop], route.peers[hop], None
         scaled = {} if loss_scale is None else {"loss_scale": loss_scale}
         inputs = route.inputs[hop]  # the input gradient must be shaped like it; NaN reports an overflow
-        check = ReplyCheck(int(inputs.size[0]), inputs.size, compression.decoded_dtype(inputs), loss_scale is None)
+        check = ReplyCheck(
+            int(inputs.size[0]), inputs.size, compression.decoded_dtype(inputs), loss_scale is None, device=device
+        )
         if route.keys[hop] is not None:
             try:
                 kept = {"kept": route.keys[hop], **scaled}

@@ -35,7 +35,7 @@ from hivemind.p2p import P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout
 
-from lightning_swarm import compression, discovery, events, protocol
+from lightning_swarm import compression, device_sync, discovery, events, protocol
 from lightning_swarm.discovery import PeerRecord, PeerState
 from lightning_swarm.errors import (
     CALLERS_FAULT,
@@ -63,14 +63,17 @@ Reply = list[runtime_pb2.Tensor]
 class ReplyCheck:
     """What a stage's reply must be: one floating-point tensor of ``batch`` samples; of exactly ``shape`` and
     ``dtype`` when given (a backward's input gradient is shaped like the stage's input); at most ``max_bytes``
-    decoded; finite unless ``finite`` is False (a backward under a loss scale reports an overflow as NaN). The
-    check decodes the reply to look at its values: ``decoded`` keeps the last reply it passed, for the caller."""
+    decoded. With ``device`` set, the reply is decoded there (``decoded`` keeps the last reply that passed) and must
+    be finite unless ``finite`` is False (a backward under a loss scale reports an overflow as NaN). Without, only
+    its header and framing are checked: a reply relayed to another stage unread is validated by that stage, which
+    refuses NaN or Inf with :class:`~lightning_swarm.errors.NonFiniteInputError`."""
 
     batch: int
     shape: Optional[Sequence[int]] = None
     dtype: Optional[torch.dtype] = None
     finite: bool = True
     max_bytes: int = MAX_REPLY_BYTES
+    device: Optional[torch.device] = None
     decoded: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
 
     def __call__(self, reply: Reply) -> None:
@@ -82,15 +85,18 @@ class ReplyCheck:
             expected = list(self.shape) if self.shape is not None else f"[{self.batch}, ...]"
             raise BadReplyError(f"a reply of shape {size}, expected {expected}")
         try:
-            nbytes = compression.raw_nbytes(reply[0])
+            nbytes, dtype = compression.raw_nbytes(reply[0]), compression.decoded_dtype(reply[0])
             if nbytes > self.max_bytes:
                 raise BadReplyError(f"a reply of {nbytes} bytes, above {self.max_bytes}")
-            tensor = compression.deserialize(reply[0])
+            if not dtype.is_floating_point or (self.dtype is not None and dtype != self.dtype):
+                raise BadReplyError(f"a reply of dtype {dtype}, expected {self.dtype or 'a floating dtype'}")
+            if self.device is None:
+                compression.check_framing(reply[0])
+                return
+            tensor = compression.deserialize(reply[0], self.device)
         except ValueError as e:
             raise BadReplyError(f"an undecodable reply: {e}") from None
-        if not tensor.is_floating_point() or (self.dtype is not None and tensor.dtype != self.dtype):
-            raise BadReplyError(f"a reply of dtype {tensor.dtype}, expected {self.dtype or 'a floating dtype'}")
-        if self.finite and not torch.isfinite(tensor).all():
+        if self.finite and not device_sync.all_finite(tensor):
             raise BadReplyError("a reply with NaN or Inf")
         self.decoded = tensor
 
@@ -230,6 +236,8 @@ class StageRouter:
         no usable peer at all, or its peers answer busy (a full queue, out of memory), this waits for one (up to
         ``stage_wait_timeout`` seconds) instead. What was the caller's fault (``CALLERS_FAULT``) raises at once.
         """
+        if prefer is not None and self._banned(stage, prefer):
+            prefer = None
         tried: list[str] = []
         last_error: Optional[BaseException] = None
         failures, busy, waiting_since, busy_since, failed_peer = 0, 0, None, None, None
@@ -326,10 +334,14 @@ class StageRouter:
         except (*CALLERS_FAULT, ActivationsLostError, StageBusyError):
             raise
         except Exception as e:
-            self.stats.failed[peer] = self.stats.failed.get(peer, 0) + 1
-            self._ban(stage, peer)
-            log.warning("Stage %d: peer %s failed (%r)", stage, peer, e)
+            self.blame(stage, peer, repr(e))
             raise
+
+    def blame(self, stage: int, peer: str, why: str) -> None:
+        """Count a failure of ``peer`` (of ``stage``) and ban it for a while."""
+        self.stats.failed[peer] = self.stats.failed.get(peer, 0) + 1
+        self._ban(stage, peer)
+        log.warning("Stage %d: peer %s failed (%s)", stage, peer, why)
 
     def _call_peer(
         self, stage: int, peer: str, method: str, tensors: list, metadata: dict, batch: int
@@ -462,6 +474,11 @@ class StageRouter:
                 errors.append(peer)
                 failed.add(peer)
         raise StageUnavailableError(f"Could not download the state of stage {stage}: {len(errors)} attempts failed")
+
+    def _banned(self, stage: int, peer: str) -> bool:
+        with self._lock:
+            load = self._peers[stage].get(peer)
+            return load is not None and load.banned_until > time.monotonic()
 
     def _ban(self, stage: int, peer: str) -> None:
         with self._lock:

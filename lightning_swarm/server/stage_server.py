@@ -49,6 +49,7 @@ from lightning_swarm import block_calls, compression, device_sync, protocol, sec
 from lightning_swarm.block_calls import Call, MetaBlocks
 from lightning_swarm.errors import (
     ActivationsLostError,
+    NonFiniteInputError,
     NotServingError,
     StageBusyError,
     StageFailedError,
@@ -459,7 +460,7 @@ class StageServer(ServicerBase):
             expected = " or ".join(map(str, self.activation_dtypes))
             raise SwarmRequestError(f"expected a {expected} tensor, got {tensor.dtype} (precision {self.precision})")
         if finite and not device_sync.all_finite(tensor):
-            raise SwarmRequestError("tensor contains NaN or Inf")
+            raise NonFiniteInputError("tensor contains NaN or Inf")
         return tensor
 
     def _submit(
