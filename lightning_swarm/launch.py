@@ -65,9 +65,12 @@ class LocalSwarm:
         env: Optional[dict] = None,
         wait: float = 120.0,
         script: Optional[Sequence[str]] = None,
+        prefix: Sequence[str] = (),
     ) -> Peer:
         """Start a peer (running ``script`` instead of the swarm's, if given) and wait (up to ``wait`` seconds)
-        until it is reachable. Peers may be started from several threads at once, to have them join together."""
+        until it is reachable. Peers may be started from several threads at once, to have them join together.
+        ``prefix`` runs the peer through another command, which must exec it in the same process (``ip netns exec
+        NS``: on an emulated host), so that signals and process groups reach the peer itself."""
         address_path = self.workdir / f"{name}.addr"
         address_path.unlink(missing_ok=True)
         peer_env = {**os.environ, **self.env, **(env or {})}
@@ -78,7 +81,7 @@ class LocalSwarm:
         log_path = self.workdir / f"{name}.log"
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
-                [sys.executable, *(self.script if script is None else script), *args],
+                [*prefix, sys.executable, *(self.script if script is None else script), *args],
                 env=peer_env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

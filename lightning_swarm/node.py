@@ -82,6 +82,7 @@ class SwarmNode:
         timeout: float = 30.0,
         policy: Optional[AccessPolicy] = None,
         record_validators: Sequence[RecordValidatorBase] = (),
+        client_mode: bool = False,
     ) -> None:
         self.initial_peers = list(initial_peers)
         self.policy = policy  # who may talk to this peer (allow-list, secret): see lightning_swarm.security
@@ -90,6 +91,7 @@ class SwarmNode:
         self.identity_path = identity_path
         self.record_validators = list(record_validators)  # beyond those of the policy
         self.timeout = timeout
+        self.client_mode = client_mode  # reachable by no one: the DHT and averagers only dial out
         self.dht: Optional[DHT] = None
         self.p2p: Optional[P2P] = None
         self.daemon_pid: Optional[int] = None  # the p2pd the DHT process started
@@ -150,6 +152,7 @@ class SwarmNode:
             announce_maddrs=self.announce_maddrs or None,
             identity_path=identity_path,
             startup_timeout=self.timeout,
+            client_mode=self.client_mode,
             # never probe routers or public services (UPnP multicast, AutoNAT) unless we listen beyond loopback
             nat_port_map=False,
             auto_nat=not loopback_only,

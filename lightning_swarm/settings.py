@@ -126,6 +126,10 @@ class SwarmSettings:
     direct_port: int = field(default=0, metadata={CAST: int})
     """TCP port of this peer's direct path, on the IP of ``host_maddrs`` (advertised with the IP of
     ``announce_maddrs`` when given). Default 0: any free port."""
+    client_mode: bool = field(default=False, metadata={CAST: flag})
+    """this peer cannot be reached by others (behind NAT or a firewall): its DHT and averagers run in hivemind's
+    client mode (they only open connections) and it advertises no direct path, so that its stage is called over
+    libp2p, on connections it opened. See docs/multi_machine.md. Default False."""
     identity_path: Optional[str] = field(default=None, metadata={CAST: str})
     """file holding this peer's private key, for a stable peer id (created if missing)."""
     allowed_peers: Optional[list[str]] = field(default=None, metadata={CAST: as_list})

@@ -92,6 +92,7 @@ class SwarmStrategy(Strategy):
         announce_maddrs: Optional[Union[str, list[str]]] = None,
         direct_path: Optional[bool] = None,
         direct_port: Optional[int] = None,
+        client_mode: Optional[bool] = None,
         identity_path: Optional[str] = None,
         allowed_peers: Optional[Union[str, list[str]]] = None,
         secret: Optional[str] = None,
@@ -186,7 +187,12 @@ class SwarmStrategy(Strategy):
         self._signals.install()
         policy = security.peer_policy(self.allowed_peers, self.secret, self.secret_path, self.identity_path)
         self.node = SwarmNode(
-            self.initial_peers, self.host_maddrs, self.announce_maddrs, self.identity_path, policy=policy
+            self.initial_peers,
+            self.host_maddrs,
+            self.announce_maddrs,
+            self.identity_path,
+            policy=policy,
+            client_mode=self.client_mode,
         ).start()
         self._signals.daemon_pid = self.node.daemon_pid
         if not isinstance(self.checkpoint_io, SwarmCheckpointIO):  # Lightning's default, or the user's plugin

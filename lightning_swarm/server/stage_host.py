@@ -165,7 +165,7 @@ class StageHost:
     def _start_direct_path(self) -> None:
         """Listen for direct requests (once per peer: it answers for whichever stage this peer serves)."""
         settings = self.settings
-        if not settings.direct_path or self._direct is not None:
+        if not settings.direct_path or settings.client_mode or self._direct is not None:  # unreachable: libp2p
             return
         host = transport.listen_host(settings.host_maddrs)
         self._direct = DirectServer(

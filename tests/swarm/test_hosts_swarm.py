@@ -1,0 +1,85 @@
+"""Swarms across emulated hosts: each peer in a network namespace of its own, on a 100 Mbit/s link, listening on
+its host's address (tests/helpers/emulated_hosts.py). They need root and the ``ip`` command, and skip without."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from helpers import FAST, GPT_SCRIPT, PEER_ENV, SMALL_GPT, history
+from helpers.emulated_hosts import PORT, EmulatedHosts, HostSwarm, namespaces, unavailable_reason
+
+RATE_MBIT = 100
+ENV = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "8"}
+SERVE = {**ENV, "SWARM_ROLE": "serve", "SWARM_REBALANCE_PERIOD": "0"}  # peers stay where the test puts them
+
+
+@pytest.fixture
+def hosts():
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with EmulatedHosts() as made:
+        yield made
+    assert not namespaces(made.switch.removesuffix("switch")), "namespaces left behind"
+
+
+@pytest.fixture
+def host_swarm(hosts, tmp_path, request):
+    """A swarm of examples/gpt.py peers, each on the emulated host of its name (add the hosts first)."""
+    run_id = "t" + request.node.name[-40:]
+    with HostSwarm(hosts, [GPT_SCRIPT], tmp_path, run_id, PEER_ENV) as swarm:
+        yield swarm
+        for peer in swarm.peers.values():
+            if peer.process.poll() not in (None, 0, -9):
+                print(f"---- {peer.name} exited {peer.process.returncode}:\n{peer.log()[-4000:]}")
+    assert not hosts.processes(), "processes left running on the emulated hosts"
+
+
+def wait_for_steps(record, swarm, name: str, steps: int, timeout: float = 180.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while not (record.exists() and history(record)["steps"] >= steps):
+        assert time.monotonic() < deadline and swarm.peers[name].alive(), swarm.peers[name].log()[-3000:]
+        time.sleep(0.2)
+    return history(record)
+
+
+def test_four_hosts_train_and_fail_over(hosts, host_swarm, tmp_path):
+    """4 peers on hosts of their own (100 Mbit/s): serve-only peers of both stages, a second one of stage 1, and a
+    drive-only trainer. Each listens on and announces its host's address, and the trainer calls the stages over
+    the direct path; killing the stage-1 peer doing the work (its whole host's processes, as a machine lost) costs
+    only retries on the other."""
+    for name in ("stage0", "stage1_a", "stage1_b", "trainer"):
+        hosts.add_host(name, RATE_MBIT)
+    steps, record = 16, tmp_path / "trainer.json"
+    host_swarm.start_together(
+        {
+            "stage1_a": (SMALL_GPT, {**SERVE, "SWARM_STAGE": "1"}),
+            "stage1_b": (SMALL_GPT, {**SERVE, "SWARM_STAGE": "1"}),
+            "stage0": (SMALL_GPT, {**SERVE, "SWARM_STAGE": "0"}),
+        }
+    )
+    for name, peer in host_swarm.peers.items():
+        own = f"/ip4/{hosts.hosts[name].ip}/tcp/{PORT}/p2p/"
+        assert peer.addresses() and all(a.startswith(own) for a in peer.addresses()), (name, peer.addresses())
+    args = [*SMALL_GPT, "--max-steps", str(steps), "--history", str(record)]
+    host_swarm.start("trainer", args, {**ENV, "SWARM_ROLE": "drive"})
+
+    calls = wait_for_steps(record, host_swarm, "trainer", 4)["calls_per_peer"]
+    stage1 = {host_swarm.peers[name].addresses()[0].rsplit("/", 1)[-1]: name for name in ("stage1_a", "stage1_b")}
+    victim = max(stage1, key=lambda peer: calls.get(peer, 0))
+    assert calls.get(victim, 0) > 0, "no stage-1 peer served work before the kill"
+    os.killpg(host_swarm.peers[stage1[victim]].process.pid, signal.SIGKILL)
+
+    assert host_swarm.wait("trainer", timeout=300) == 0, host_swarm.peers["trainer"].log()[-3000:]
+    final = history(record)
+    failed = final["failed_calls_per_peer"].get(victim, 0)
+    print(
+        f"hosts: {final['direct_calls']} direct calls, {final['p2p_calls']} over libp2p, {final['failovers']} "
+        f"failovers, {failed} failed calls to the killed peer, {final['seconds']:.1f}s"
+    )
+    assert final["steps"] == steps
+    assert final["failovers"] == failed
+    assert final["direct_calls"] > 0 and final["p2p_calls"] == 0  # every host reached the others' direct path
