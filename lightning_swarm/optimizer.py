@@ -533,6 +533,8 @@ def swarm_optimizer(
         delay_state_averaging=delayed,
         delay_optimizer_step=delayed,
         delay_grad_averaging=delayed,
+        # given, hivemind 1.1.12 takes the DHT's; left None, its client-mode averagers are asked to share state
+        client_mode=bool(dht.kwargs.get("client_mode", False)),
         shutdown_timeout=2,
         verbose=False,
     )

@@ -4,6 +4,7 @@ the suite. What tests share besides fixtures is in helpers/."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -37,6 +38,18 @@ def _environ(process: psutil.Process) -> dict:
         return {}
 
 
+def leftover_namespaces() -> list[str]:
+    """Remove this session's network namespaces that are still there (and the processes in them); their names."""
+    from helpers import emulated_hosts
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:  # none could be made
+        return []
+    found = emulated_hosts.namespaces(emulated_hosts.session_prefix())
+    for name in found:
+        emulated_hosts.remove_namespace(name)
+    return found
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leftover_processes():
     """Fail the run if any p2pd daemon or peer started during the suite is still alive at its end."""
@@ -51,7 +64,9 @@ def no_leftover_processes():
     children = [c for c in psutil.Process().children(recursive=True) if c.pid != tracker]
     for process in [*children, *(psutil.Process(pid) for pid in left if psutil.pid_exists(pid))]:
         process.kill()
+    namespaces = leftover_namespaces()  # emulated hosts (helpers/emulated_hosts.py) whose test did not remove them
     assert not left, f"p2pd daemons left behind by the suite: {sorted(left)}"
+    assert not namespaces, f"network namespaces left behind by the suite (now removed): {namespaces}"
     assert not children, f"processes left behind by the suite: {[c.pid for c in children]}"
 
 

@@ -83,3 +83,24 @@ def test_four_hosts_train_and_fail_over(hosts, host_swarm, tmp_path):
     assert final["steps"] == steps
     assert final["failovers"] == failed
     assert final["direct_calls"] > 0 and final["p2p_calls"] == 0  # every host reached the others' direct path
+
+
+def test_drive_only_trainer_behind_nat(hosts, host_swarm, tmp_path):
+    """A drive-only trainer on a private host behind a masquerading router trains with public stage servers: its
+    DHT and averagers in client mode, it only dials out, and calls the stages over their direct path."""
+    for name in ("stage0", "stage1"):
+        hosts.add_host(name, RATE_MBIT)
+    hosts.add_nat("trainer", rate_mbit=RATE_MBIT)
+    steps, record = 8, tmp_path / "trainer.json"
+    host_swarm.start_together(
+        {
+            "stage0": (SMALL_GPT, {**SERVE, "SWARM_STAGE": "0"}),
+            "stage1": (SMALL_GPT, {**SERVE, "SWARM_STAGE": "1"}),
+        }
+    )
+    args = [*SMALL_GPT, "--max-steps", str(steps), "--history", str(record)]
+    host_swarm.start("trainer", args, {**ENV, "SWARM_ROLE": "drive", "SWARM_CLIENT_MODE": "1"})
+    assert host_swarm.wait("trainer", timeout=300) == 0, host_swarm.peers["trainer"].log()[-3000:]
+    final = history(record)
+    assert final["steps"] == steps and final["failovers"] == 0
+    assert final["direct_calls"] > 0 and final["p2p_calls"] == 0
