@@ -13,9 +13,11 @@ output), an optimizer step (AdamW) every `--step-every` batches. Three runs, in 
   `torch.cuda.set_per_process_memory_fraction`; the out-of-core plan gets the cap less what the activations need
   (each block's input, kept, and one block's forward and backward workspace, measured beforehand), and swaps.
 
-Samples/s over the timed batches after warm-up ones. Overlap: the share of the swaps' copy time (the bytes copied
-beyond the recompute run's, at the measured pinned-copy bandwidth) that did not show in the time per batch. Peak:
-torch's `max_memory_allocated` against the cap. Loss: the largest difference from the resident run's loss curve.
+Samples/s over the timed batches after warm-up ones, and their time apart: forward and backward (compute, the swaps'
+copies included) per batch, and the optimizer step (the device synchronised around each timed step) per step.
+Overlap: the share of the swaps' copy time (the bytes copied beyond the recompute run's, at the measured pinned-copy
+bandwidth) that did not show in the time per batch. Peak: torch's `max_memory_allocated` against the cap. Loss: the
+largest difference from the resident run's loss curve.
 
 Targets (issue 16): at 2x the budget at least 0.7 of the resident stage's samples/s, at 4x at least 0.5; peak
 device memory within the budget; the same loss curve as the resident stage.
@@ -91,9 +93,12 @@ def synchronize(device: torch.device) -> None:
 
 
 def train(module: nn.Module, device: torch.device, data: list, warmup: int, step_every: int) -> dict:
-    """Train ``module`` on ``data``: losses, samples/s over the batches after ``warmup``, peak device memory."""
+    """Train ``module`` on ``data``: losses, samples/s over the batches after ``warmup``, and the time of those
+    batches apart: the forward and backward passes (``compute_s_per_batch``, the swaps' copies included) and the
+    optimizer step (``step_s``: seconds per step, None without a step among them; the device is synchronised before
+    and after each timed step, so that each side's work is counted on its side); peak device memory."""
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
-    losses, start = [], time.perf_counter()
+    losses, start, steps, step_seconds = [], time.perf_counter(), 0, 0.0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for i, (x, y) in enumerate(data):
@@ -105,16 +110,25 @@ def train(module: nn.Module, device: torch.device, data: list, warmup: int, step
         loss.backward()
         losses.append(loss.detach())
         if (i + 1) % step_every == 0:
+            timed = i >= warmup
+            if timed:
+                synchronize(device)
+                step_start = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if timed:
+                synchronize(device)
+                steps, step_seconds = steps + 1, step_seconds + time.perf_counter() - step_start
     synchronize(device)
     elapsed = time.perf_counter() - start
-    samples = (len(data) - warmup) * data[0][0].shape[0]
+    batches = len(data) - warmup
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return dict(
         losses=[float(v) for v in losses],
-        samples_per_s=samples / elapsed,
-        s_per_batch=elapsed / (len(data) - warmup),
+        samples_per_s=batches * data[0][0].shape[0] / elapsed,
+        s_per_batch=elapsed / batches,
+        compute_s_per_batch=(elapsed - step_seconds) / batches,
+        step_s=step_seconds / steps if steps else None,
         peak=peak,
     )
 
@@ -230,15 +244,20 @@ def write(results: list[dict], path: Path) -> None:
             loss = f"{max(abs(a - b) for a, b in zip(run['losses'], resident['losses'])):.2g}" if ok else "-"
             kind = run["kind"] + (f" {run['ratio']:g}x" if run.get("ratio") else "")
             blocks = f"{run['resident_blocks']} / {run['peak_blocks']}" if ok and "resident_blocks" in run else "-"
+            compute = f"{run['compute_s_per_batch']:.4f}" if ok and "compute_s_per_batch" in run else "-"
+            step = f"{run['step_s']:.4f}" if ok and run.get("step_s") is not None else "-"
             rows.append(
-                [*label, kind, speed, ratio, blocks, overlap(run, recompute, figures["bandwidth"]), cap, peak, loss]
+                [*label, kind, speed, ratio, compute, step, blocks, overlap(run, recompute, figures["bandwidth"])]
+                + [cap, peak, loss]
             )
     lines = [
         "## Out-of-core stages (KARMA): a stage larger than its device-memory budget",
         "",
         "`python benchmarks/out_of_core.py` (see its docstring): the stage resident; out of core with every block "
         "resident (recompute, no swaps); out of core within a memory cap of 1/2 and 1/4 of the stage's parameters "
-        "(`torch.cuda.set_per_process_memory_fraction`). Blocks: resident in the plan / most on the device at once. "
+        "(`torch.cuda.set_per_process_memory_fraction`). Compute: seconds per timed batch in forward and backward (the "
+        "swaps' copies included); step: seconds per optimizer step (on the host out of core), timed apart. "
+        "Blocks: resident in the plan / most on the device at once. "
         "Overlap: share of the swaps' copy time hidden behind compute. Loss: largest difference from the resident "
         "run's loss curve.",
         "",
@@ -263,6 +282,8 @@ def write(results: list[dict], path: Path) -> None:
             "run",
             "samples/s",
             "/ resident",
+            "compute (s/batch)",
+            "step (s)",
             "blocks",
             "overlap",
             "cap (MiB)",

@@ -6,16 +6,22 @@ accumulators, optimizer state, and the kept activations as the server counted th
 
     python benchmarks/stage_memory.py                 # d_model 1024, 4 blocks, 8 x 512 tokens, 4 microbatches
     python benchmarks/stage_memory.py --d-model 2048 --delayed
+    python benchmarks/stage_memory.py --precision bf16-mixed   # the Trainer's precision, as a stage server takes it
     SWARM_MEMORY_SNAPSHOT=/tmp/stage.pickle python benchmarks/stage_memory.py   # and a memory snapshot
     python benchmarks/stage_memory.py --smoke --device cpu    # a short check that the script works
 
 Open a snapshot at https://pytorch.org/memory_viz.
+
+`--precision` is the Trainer's, as the strategy gives it to a stage server: `-true` precisions convert the stage's
+parameters (and the activations it takes) to their dtype; `-mixed` ones keep fp32 parameters and compute under
+autocast.
 
 On a CPU only the expected figures are printed (the allocator's are CUDA's).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import sys
@@ -34,6 +40,7 @@ from harness import script_parser  # noqa: E402
 from lightning_swarm import compression, protocol  # noqa: E402
 from lightning_swarm.node import SwarmNode  # noqa: E402
 from lightning_swarm.optimizer import swarm_optimizer  # noqa: E402
+from lightning_swarm.precision import PRECISIONS, parameter_dtype  # noqa: E402
 from lightning_swarm.server.stage_server import StageServer  # noqa: E402
 
 MIB = 2**20
@@ -49,28 +56,39 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--step-every", type=int, default=16, help="batches per optimizer step")
     parser.add_argument("--delayed", action="store_true", help="delayed updates (offloaded optimizer)")
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="32-true", help="the Trainer's")
     parser.add_argument("--codec", default="8bit")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", help="write the figures here (JSON)")
     a = parser.parse_args()
     if a.smoke:
         a.d_model, a.block_size, a.batches, a.step_every = 64, 16, 3, 2
-    device = torch.device(a.device)
-    torch.manual_seed(0)
-    stage = nn.Sequential(*(Block(a.d_model, max(1, a.d_model // 64)) for _ in range(a.blocks))).to(device)
-    param_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
     node = SwarmNode().start()
+    try:
+        expected, rows = measure(a, node)
+    finally:
+        node.shutdown()
+    if a.out:
+        Path(a.out).write_text(json.dumps(dict(args=vars(a), expected=expected, batches=rows), indent=1))
+
+
+def measure(a: argparse.Namespace, node: SwarmNode) -> tuple[dict, list[dict]]:
+    """One stage in ``a.precision`` trained ``a.batches`` batches: the bytes expected on the device, and the figures
+    of each batch (printed as they come)."""
+    device, precision, dtype = torch.device(a.device), a.precision, parameter_dtype(a.precision)
+    torch.manual_seed(0)
+    stage = nn.Sequential(*(Block(a.d_model, max(1, a.d_model // 64)) for _ in range(a.blocks))).to(device, dtype)
+    param_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
     optimizer = swarm_optimizer(
         node.dht,
-        "stage_memory",
+        f"stage_memory_{precision}",
         torch.optim.AdamW(stage.parameters(), lr=1e-4),
         a.batch_size * a.step_every,
         1.0,
         10.0,
         delayed=a.delayed,
     )
-
-    server = StageServer("stage_memory", 0, stage, device, optimizer=optimizer)
+    server = StageServer(f"stage_memory_{precision}", 0, stage, device, optimizer=optimizer, precision=precision)
     micro = a.batch_size // a.microbatches
     expected = dict(
         parameters=param_bytes,
@@ -79,9 +97,10 @@ def main() -> None:
         optimizer_state=0 if a.delayed else 2 * param_bytes,  # AdamW's moments (delayed: on the host)
     )
     rows = []
+    print(f"precision {precision}: stage parameters in {dtype}")
     try:
         for batch in range(a.batches):
-            xs = [torch.randn(micro, a.block_size, a.d_model) for _ in range(a.microbatches)]
+            xs = [torch.randn(micro, a.block_size, a.d_model, dtype=dtype) for _ in range(a.microbatches)]
             keys = [f"{batch}.{i}" for i in range(a.microbatches)]
             asyncio.run(_together(server, "forward", [[x] for x in xs], keys, a.codec))
             kept = server.kept.nbytes
@@ -96,15 +115,13 @@ def main() -> None:
     finally:
         server.shutdown()
         optimizer.shutdown()
-        node.shutdown()
     print(
-        "expected on the device: "
+        f"expected on the device ({precision}): "
         + ", ".join(f"{k} {v / MIB:.0f} MiB" for k, v in expected.items())
         + f", plus the kept activations (max {max(r['kept_bytes'] for r in rows) / MIB:.0f} MiB) and one backward's "
         "workspace"
     )
-    if a.out:
-        Path(a.out).write_text(json.dumps(dict(args=vars(a), expected=expected, batches=rows), indent=1))
+    return expected, rows
 
 
 async def _together(server: StageServer, kind: str, tensors: list, keys: list[str], codec: str) -> None:

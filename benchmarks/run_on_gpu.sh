@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# Every GPU figure of the project in one command of at most 9 minutes, on an offline GPU machine (issue 25, part 3):
+#
+#     bash benchmarks/run_on_gpu.sh OUT_DIR
+#
+# run in the checkout's root, with the wheels the machine lacks in .whl/ (../shared/gpu/README.md: here, once,
+# `bash ../shared/gpu/fetch_wheels.sh`, then `bash benchmarks/run_on_gpu.sh --fetch-test-wheels` for pytest and
+# psutil, which the GPU tests need and that script does not fetch). On the device: a `run` carrying [".whl"] whose
+# command is `bash benchmarks/run_on_gpu.sh $OUT`. Steps, in this order, each under its own time limit, its output
+# in OUT_DIR/<step>.log, its exit status and seconds in OUT_DIR/summary.txt; a failed step is recorded and the next
+# one runs:
+#
+#   install     the carried wheels into /tmp/site (skipped without .whl/)
+#   imports     torch with CUDA, hivemind, bitsandbytes (a blockwise quantization on the GPU), pyzmq, lightning,
+#               lightning_swarm; pytest and psutil for the tests. Without CUDA or lightning_swarm nothing else runs.
+#   calibrate   one stage's forward and backward per sample on this GPU (gpu.py --calibrate): the figures
+#               gpu_proxy.py's calibration takes from the H100
+#   gpu         gpu.py: d_model 2048 and 1024, 32-true and bf16-mixed, plain training and the swarm at target batch
+#               = batch, then at 128; 4, 8 and "auto" microbatches in each swarm ("auto" timed once tuned); the time
+#               left after reserving the later steps' limits (--budget), runs in order of priority
+#   stage_memory  one stage's device memory, d_model 2048, 32-true then bf16-mixed, a step every 16 batches
+#   out_of_core   a stage of 12 blocks of d_model 2048 resident and out of core at 2x and 4x its memory cap: samples/s,
+#               compute and step time apart
+#   gpu_tests   the tests that need a GPU (tests/unit/test_compression.py, tests/unit/test_memory.py)
+#   proxy       gpu_proxy.py --quick (d_model 1024, 2 and 4 microbatches, a step every batch, the H100 calibration)
+#               on this machine's CPU, to hold against the gpu step's d_model 1024 32-true swarm and the calibration
+#
+# Results: OUT_DIR/RESULTS.md (the gpu, out_of_core and gpu_proxy sections) and OUT_DIR/results/*.json, to merge
+# here with `python benchmarks/gpu.py --merge <files_at>/results/gpu.json` and `python benchmarks/out_of_core.py
+# --merge <files_at>/results/out_of_core.json`; OUT_DIR/stage_memory_<precision>.json. Every process a step starts
+# carries a mark in its environment: those still alive after the step (peers in sessions of their own, their p2pd)
+# are killed, so that none holds GPU memory in the next step. Budget: 540 s in all (the device allows 600 s a
+# command); the limits below are upper bounds, and what the steps before it leave unused goes to the gpu step. The
+# limits are estimates for an H100 with 16 cores: after a first run, set them from summary.txt.
+set -uo pipefail
+
+if [[ ${1:-} == --fetch-test-wheels ]]; then  # here, with the registries: what the GPU tests need beyond the benchmarks
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+    pytest pluggy iniconfig pygments packaging psutil
+  exit
+fi
+out=${1:?usage: bash benchmarks/run_on_gpu.sh OUT_DIR}
+mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
+cd "$(dirname "$0")/.." || exit 2
+
+TOTAL=540                 # seconds for the whole command
+GRACE=10                  # a step past its limit gets SIGTERM, then SIGKILL this much later
+declare -A LIMIT=([install]=45 [imports]=40 [calibrate]=30 [stage_memory]=30 [out_of_core]=50 [gpu_tests]=40
+                  [proxy]=45)
+LATER=(stage_memory out_of_core gpu_tests proxy)  # what the gpu step leaves time for
+start=$SECONDS
+summary=$out/summary.txt
+: > "$summary"
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
+export RUN_ON_GPU_MARK="$$.$RANDOM"
+
+# Kill every process but this script that carries this run's mark (peers outliving a launcher stopped on time).
+stop_leftovers() {
+  python3 - "$$" <<'PY'
+import os, signal, sys
+mark, keep = os.environ["RUN_ON_GPU_MARK"], {os.getpid(), os.getppid(), int(sys.argv[1])}
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            marked = f"RUN_ON_GPU_MARK={mark}".encode() in f.read().split(b"\0")
+        if marked and int(pid) not in keep:
+            os.kill(int(pid), signal.SIGKILL)
+            print(f"killed leftover process {pid}")
+    except (OSError, ValueError):
+        pass
+PY
+}
+
+# step NAME LIMIT COMMAND...: run COMMAND under LIMIT seconds (never past the whole command's end), its output in
+# NAME.log, and record its exit status (124: past its limit) and seconds.
+step() {
+  local name=$1 limit=$2 began=$SECONDS rc
+  shift 2
+  local left=$((TOTAL - (SECONDS - start) - GRACE))
+  ((limit > left)) && limit=$left
+  if ((limit < 5)); then
+    printf '%-13s skipped: no time left\n' "$name" | tee -a "$summary"
+    return 1
+  fi
+  echo "== $name (at most ${limit}s): $*"
+  timeout -k "$GRACE" "$limit" "$@" > "$out/$name.log" 2>&1
+  rc=$?
+  stop_leftovers >> "$out/$name.log" 2>&1
+  printf '%-13s rc=%-3s %4ds  (limit %ds)%s\n' "$name" "$rc" $((SECONDS - began)) "$limit" \
+    "$( ((rc == 124 || rc == 137)) && echo '  TIMED OUT')" | tee -a "$summary"
+  tail -n 5 "$out/$name.log"
+  return "$rc"
+}
+
+if [[ -d .whl ]]; then
+  step install "${LIMIT[install]}" python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
+    --target /tmp/site .whl/*.whl
+fi
+step imports "${LIMIT[imports]}" python3 - <<'PY'
+import importlib, sys
+failed = []
+def check(name, test=None):
+    try:
+        module = importlib.import_module(name)
+        detail = test(module) if test else getattr(module, "__version__", "")
+        print(f"ok      {name} {detail}")
+    except Exception as e:  # noqa: BLE001 - every failure is reported, the others still checked
+        failed.append(name)
+        print(f"FAILED  {name}: {e!r}")
+def cuda(torch):
+    assert torch.cuda.is_available(), "no CUDA device"
+    return f"{torch.__version__}, {torch.cuda.get_device_name(0)}"
+def blockwise(bnb):
+    import torch
+    from bitsandbytes.functional import dequantize_blockwise, quantize_blockwise
+    x = torch.randn(4096, device="cuda")
+    q, state = quantize_blockwise(x)
+    assert (dequantize_blockwise(q, state) - x).abs().max() < 0.1
+    return f"{bnb.__version__}, blockwise 8-bit on the GPU"
+check("torch", cuda)
+if failed:  # no GPU: nothing to measure (and no reason to wait for the other imports)
+    sys.exit(2)
+for name, test in [("hivemind", None), ("bitsandbytes", blockwise), ("zmq", None), ("lightning", None),
+                   ("lightning_swarm", lambda m: m.__file__), ("pytest", None), ("psutil", None)]:
+    check(name, test)
+# without CUDA or the project nothing else can run: exit 2; a missing test dependency only fails that step (1)
+sys.exit(2 if {"torch", "lightning_swarm", "hivemind"} & set(failed) else 1 if failed else 0)
+PY
+if (($? == 2)); then
+  echo "imports failed: nothing else can run (see $out/imports.log)" | tee -a "$summary"
+  exit 1
+fi
+
+step calibrate "${LIMIT[calibrate]}" python3 benchmarks/gpu.py --calibrate --out "$out/RESULTS.md"
+
+reserve=$((${#LATER[@]} * GRACE + 5))
+for name in "${LATER[@]}"; do reserve=$((reserve + LIMIT[$name])); done
+gpu_limit=$((TOTAL - (SECONDS - start) - reserve - GRACE))
+# its last run stops its peers and saves its figures after its budget: 20 s for that inside the step's limit
+step gpu "$gpu_limit" python3 benchmarks/gpu.py --out "$out/RESULTS.md" --d-model 2048 1024 \
+  --precision 32-true bf16-mixed --updates synchronous --targets batch 128 --microbatches 4 8 auto \
+  --budget $((gpu_limit - 20)) --timeout 120
+
+step stage_memory "${LIMIT[stage_memory]}" bash -c 'for precision in 32-true bf16-mixed; do
+  python3 benchmarks/stage_memory.py --d-model 2048 --precision $precision --batches 20 --step-every 16 \
+    --out "$0/stage_memory_$precision.json" || exit; done' "$out"
+
+step out_of_core "${LIMIT[out_of_core]}" python3 benchmarks/out_of_core.py --out "$out/RESULTS.md" \
+  --d-model 2048 --blocks 12 --warmup 2 --batches 6 --step-every 2
+
+step gpu_tests "${LIMIT[gpu_tests]}" python3 -m pytest -p no:cacheprovider -o addopts= -q -rs -k "gpu or device" \
+  tests/unit/test_compression.py tests/unit/test_memory.py
+
+step proxy "${LIMIT[proxy]}" python3 benchmarks/gpu_proxy.py --quick --timeout 40 --out "$out/RESULTS.md"
+
+printf 'all steps: %ds of %ds\n' $((SECONDS - start)) "$TOTAL" | tee -a "$summary"
