@@ -8,6 +8,7 @@ prefixes, checkpoint claims and the latest checkpoint).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -19,6 +20,7 @@ from lightning_swarm.node import SwarmNode
 from lightning_swarm.periodic import PeriodicThread
 
 log = logging.getLogger(__name__)
+ADDRESSES_TTL = 60.0  # seconds a peer's published multiaddrs last (refreshed by its announcer)
 
 
 class PeerState(IntEnum):
@@ -31,8 +33,9 @@ class PeerState(IntEnum):
 class PeerRecord:
     """What a peer says about itself: its stage (None: it only drives), state, compute throughput (samples/s),
     queued samples, whether it is still training on its own data, the ``host:port`` of its direct tensor path
-    (:mod:`~lightning_swarm.transport`; empty: libp2p only), and whether it moves when the rebalancing plan chooses
-    it (False: its rebalancing is off or paused; it counts at its stage, but no plan moves it)."""
+    (:mod:`~lightning_swarm.transport`; empty: libp2p only), whether it moves when the rebalancing plan chooses
+    it (False: its rebalancing is off or paused; it counts at its stage, but no plan moves it), and whether others
+    can dial it (False: behind NAT, in client mode; it is called over the connections it opened)."""
 
     peer_id: str
     stage: Optional[int]
@@ -42,9 +45,12 @@ class PeerRecord:
     training: bool = False
     address: str = ""
     movable: bool = True
+    reachable: bool = True
 
     def to_value(self) -> tuple:
         value = (int(self.state), float(self.throughput), int(self.queue), int(self.training))
+        if not self.reachable:
+            return (*value, self.address, int(self.movable), 0)
         if not self.movable:
             return (*value, self.address, 0)
         return (*value, self.address) if self.address else value
@@ -53,14 +59,17 @@ class PeerRecord:
     def from_value(cls, peer_id: str, stage: Optional[int], value: object) -> Optional[PeerRecord]:
         """Parse a record, or None for one that is malformed (records come from other peers)."""
         try:
-            state, throughput, queue, training, *rest = value  # older peers: no address, no movable flag (True)
-            if len(rest) > 2 or (rest and not (isinstance(rest[0], str) and len(rest[0]) <= 64)):
+            # older peers: no address, no movable flag (True), no reachable flag (True)
+            state, throughput, queue, training, *rest = value
+            if len(rest) > 3 or (rest and not (isinstance(rest[0], str) and len(rest[0]) <= 64)):
                 return None
-            if len(rest) == 2 and not isinstance(rest[1], int):  # bool is an int
+            if not all(isinstance(flag, int) for flag in rest[1:]):  # bool is an int
                 return None
-            address, movable = (rest[0] if rest else ""), (bool(rest[1]) if len(rest) == 2 else True)
+            address, movable, reachable = (rest[0] if rest else ""), *(bool(flag) for flag in [*rest[1:], 1, 1][:2])
             state = PeerState(int(state))
-            return cls(str(peer_id), stage, state, float(throughput), int(queue), bool(training), address, movable)
+            return cls(
+                str(peer_id), stage, state, float(throughput), int(queue), bool(training), address, movable, reachable
+            )
         except (TypeError, ValueError):
             return None
 
@@ -77,6 +86,27 @@ def optimizer_prefix(run_id: str, stage: Optional[int]) -> str:
     """The hivemind prefix of a stage's optimizer (None: the trainers' local optimizer), under which its progress
     and averaging live in the DHT."""
     return f"{run_id}_local" if stage is None else f"{run_id}_stage{stage}"
+
+
+def addresses_key(run_id: str) -> str:
+    """Where reachable peers publish their libp2p multiaddrs, for peers behind NAT to dial them."""
+    return f"{run_id}_addresses"
+
+
+def publish_addresses(node: SwarmNode, run_id: str, ttl: float) -> None:
+    """Store this peer's multiaddrs (without their ``/p2p/<id>`` part: the subkey is the id) for ``ttl`` seconds."""
+    maddrs = [maddr.split("/p2p/", 1)[0] for maddr in node.visible_maddrs()]
+    node.dht_store(addresses_key(run_id), str(node.peer_id), maddrs, ttl)
+
+
+def fetch_addresses(node: SwarmNode, run_id: str) -> dict[str, list[str]]:
+    """The multiaddrs the reachable peers published, by peer id (malformed entries left out)."""
+    found = node.dht_get(addresses_key(run_id)) or {}
+    return {
+        str(peer): [m for m in maddrs if isinstance(m, str) and m.startswith("/")]
+        for peer, maddrs in found.items()
+        if isinstance(maddrs, list)
+    }
 
 
 def checkpoint_claims_key(run_id: str) -> str:
@@ -170,10 +200,22 @@ class Announcer(PeriodicThread):
         self.update_period, self.layout = update_period, layout
         self.first_delay = update_period
         self._layout_stored_at = time.monotonic()  # check_run_meta stored it when the peer joined
+        self._addresses_stored_at = -ADDRESSES_TTL
 
     def start(self) -> None:
         self.announce()
+        self._publish_addresses()
         super().start()
+
+    def _publish_addresses(self) -> None:
+        """A reachable peer tells where it listens, so that peers behind NAT can dial it (they cannot be dialed)."""
+        if getattr(self.node, "client_mode", True):
+            return
+        try:
+            publish_addresses(self.node, self.run_id, ADDRESSES_TTL)
+            self._addresses_stored_at = time.monotonic()
+        except Exception as e:  # retried at the next refresh
+            log.warning("Could not publish this peer's addresses: %r", e)
 
     def delay(self) -> float:
         return self.update_period
@@ -181,6 +223,8 @@ class Announcer(PeriodicThread):
     def announce(self, record: Optional[PeerRecord] = None, ttl: Optional[float] = None) -> None:
         """Store ``record`` (by default, the current one) for ``ttl`` seconds (by default, two update periods)."""
         record = record or self.make_record()
+        if getattr(self.node, "client_mode", False):
+            record = dataclasses.replace(record, reachable=False)
         ttl = 2 * self.update_period if ttl is None else ttl
         try:
             store_record(self.node, self.run_id, record, ttl)
@@ -189,6 +233,8 @@ class Announcer(PeriodicThread):
 
     def tick(self) -> None:
         self.announce()
+        if time.monotonic() - self._addresses_stored_at > ADDRESSES_TTL / 3:
+            self._publish_addresses()
         ttl = max(60.0, 6 * self.update_period)
         if self.layout is not None and time.monotonic() - self._layout_stored_at > ttl / 3:
             try:  # the run's layout outlives its first peers: tools read it (status)
@@ -235,11 +281,25 @@ class SwarmWatcher(PeriodicThread):
 
     def refresh(self) -> list[dict[str, PeerRecord]]:
         swarm, drivers = fetch_swarm(self.node, self.run_id, self.num_stages), fetch_stage(self.node, self.run_id, None)
+        if getattr(self.node, "client_mode", False):  # unreachable: those who may call this peer need a connection
+            present = current_records(swarm, drivers)
+            self._dial({peer for peer, record in present.items() if record.reachable})
         if self.latest is not None:
             leaving = {r.peer_id: r for r in [*drivers.values(), *_records(swarm)] if r.state == PeerState.LEAVING}
             self._compare(current_records(self.latest, self.drivers), current_records(swarm, drivers), leaving)
         self.latest, self.drivers = swarm, drivers
         return swarm
+
+    def _dial(self, peers: set[str]) -> None:
+        """Open a connection to every peer of the swarm that may call this one (which is behind NAT)."""
+        try:
+            addresses = fetch_addresses(self.node, self.run_id)
+            failed = self.node.dial({peer: addresses.get(peer, []) for peer in peers})
+        except Exception as e:  # dialing is retried next period
+            log.warning("Could not dial the swarm's peers: %r", e)
+            return
+        if failed:
+            log.warning("Could not dial %d peer(s) of the swarm (they cannot call this peer): %s", len(failed), failed)
 
     def _compare(
         self, before: dict[str, PeerRecord], after: dict[str, PeerRecord], leaving: dict[str, PeerRecord]

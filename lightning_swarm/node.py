@@ -6,6 +6,7 @@ unreachable peer surfaces as an exception instead of a hang.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -20,6 +21,7 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.multiaddr import Multiaddr
 
 from lightning_swarm import security
 from lightning_swarm.errors import JoinError
@@ -194,6 +196,13 @@ class SwarmNode:
             os.replace(address_file + ".tmp", address_file)
         return addresses
 
+    def dial(self, peers: dict[str, Sequence[str]], timeout: Optional[float] = None) -> list[str]:
+        """Open a connection to each of ``peers`` (peer id: its multiaddrs) that this peer has none with. A peer
+        behind NAT can be called only by the peers it dialed (libp2p carries their calls back over that
+        connection), so such a peer dials those that may call it. Returns the peers that could not be dialed."""
+        others = {peer: maddrs for peer, maddrs in peers.items() if peer != str(self.peer_id)}
+        return self.run(_dial(self.p2p, others, timeout or self.timeout))
+
     def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
         """Run a coroutine on the RPC event loop from synchronous code and wait for it, with a timeout."""
         future = RemoteExpertWorker.run_coroutine(coro, return_future=True)
@@ -259,6 +268,21 @@ def kill_daemon(pid: Optional[int]) -> None:
         os.kill(pid, signal.SIGKILL)
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         pass
+
+
+async def _dial(p2p: P2P, peers: dict[str, Sequence[str]], timeout: float) -> list[str]:
+    connected = {str(info.peer_id) for info in await asyncio.wait_for(p2p.list_peers(), timeout)}
+    missing = sorted(peers.keys() - connected)
+
+    async def connect(peer: str) -> None:
+        maddrs = [Multiaddr(maddr) for maddr in peers[peer]]
+        await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer), maddrs), timeout)
+
+    results = await asyncio.gather(*(connect(peer) for peer in missing), return_exceptions=True)
+    for peer, result in zip(missing, results):
+        if isinstance(result, BaseException):
+            log.debug("Could not dial peer %s: %r", peer, result)
+    return [peer for peer, result in zip(missing, results) if isinstance(result, BaseException)]
 
 
 async def _daemon_pid(dht: DHT, node: Any) -> Optional[int]:

@@ -168,9 +168,10 @@ def format_status(status: SwarmStatus, full_ids: bool = False) -> str:
             state = "driving" if stage is None and r.state == PeerState.SERVING else r.state.name.lower()
             served = "-" if stage is None else str(stage)
             throughput, queue = ("-", "-") if stage is None else (f"{r.throughput:.1f}", str(r.queue))
+            nat = "" if r.reachable else "  behind NAT: called over connections it opened, not the direct path"
             lines.append(
                 f"{peer_name(r.peer_id):<{width}}  {served:>5}  {state:<8}  {throughput:>9}  {queue:>5}  "
-                f"{'yes' if r.training else 'no'}"
+                f"{'yes' if r.training else 'no':<8}{nat}".rstrip()
             )
     return "\n".join(lines)
 

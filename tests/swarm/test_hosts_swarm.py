@@ -104,3 +104,23 @@ def test_drive_only_trainer_behind_nat(hosts, host_swarm, tmp_path):
     final = history(record)
     assert final["steps"] == steps and final["failovers"] == 0
     assert final["direct_calls"] > 0 and final["p2p_calls"] == 0
+
+
+def test_stage_server_behind_nat(hosts, host_swarm, tmp_path):
+    """A stage-1 server behind NAT, in client mode: it advertises no direct path and dials every reachable peer of
+    the swarm (at the addresses they publish), so that a trainer that joins after it calls it over libp2p, on the
+    connection the server opened; the trainer never fails over."""
+    for name in ("stage0", "trainer"):
+        hosts.add_host(name, RATE_MBIT)
+    hosts.add_nat("stage1", rate_mbit=RATE_MBIT)
+    steps, record = 8, tmp_path / "trainer.json"
+    host_swarm.start("stage0", SMALL_GPT, {**SERVE, "SWARM_STAGE": "0"})
+    stage1 = host_swarm.start("stage1", SMALL_GPT, {**SERVE, "SWARM_STAGE": "1", "SWARM_CLIENT_MODE": "1"})
+    args = [*SMALL_GPT, "--max-steps", str(steps), "--history", str(record)]
+    host_swarm.start("trainer", args, {**ENV, "SWARM_ROLE": "drive"})
+    assert host_swarm.wait("trainer", timeout=300) == 0, host_swarm.peers["trainer"].log()[-3000:]
+    final = history(record)
+    nated = stage1.addresses()[0].rsplit("/", 1)[-1]
+    assert final["steps"] == steps and final["failovers"] == 0
+    assert final["calls_per_peer"][nated] == final["p2p_calls"] > 0  # stage 1 over libp2p, stage 0 direct
+    assert final["direct_calls"] > 0
