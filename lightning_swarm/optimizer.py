@@ -118,9 +118,11 @@ class CountingProgressTracker(ProgressTracker):
     """
 
     def __init__(self, *args: Any, start: bool, **kwargs: Any) -> None:
+        # set before hivemind's constructor, which fetches the swarm's progress once
+        self._others: tuple[Optional[int], int] = (None, 0)  # (epoch, samples of the other peers) as last fetched
+        self._records: list[LocalTrainingProgress] = []  # the other peers' progress, as last fetched
         super().__init__(*args, start=False, **kwargs)
         self.performance_ema = _NoRateEstimate()
-        self._others: tuple[Optional[int], int] = (None, 0)  # (epoch, samples of the other peers) as last fetched
         if start:
             self.start()
 
@@ -131,13 +133,18 @@ class CountingProgressTracker(ProgressTracker):
         others = [e for e in entries if e.peer_id != me]
         contributors = [e for e in others if e.epoch == progress.epoch and e.samples_accumulated]
         self._others = (progress.epoch, sum(e.samples_accumulated for e in contributors))
-        # the peers of this one's next round: those with samples of its epoch, and, when it is one epoch behind,
-        # those that just moved on: with delayed updates their round of this epoch is still running (left out,
-        # this peer stepped alone while they looked for it in vain: most failed rounds of the demo)
-        mine = self.local_progress.epoch
-        partners = [e for e in others if (e.epoch == mine and e.samples_accumulated) or e.epoch == mine + 1]
-        progress.num_peers = 1 + len(partners)
+        self._records = others
+        progress.num_peers = self.group_size()
         return progress
+
+    def group_size(self) -> int:
+        """The peers of this one's next round, itself included, by its epoch now and the records as last fetched:
+        those with samples of its epoch, and, when it is one epoch behind, those that just moved on (with delayed
+        updates their round of this epoch is still running; left out, this peer stepped alone while they looked for
+        it in vain). Counted at the step, not the fetch: a download since then may have moved this peer's epoch."""
+        mine = self.local_progress.epoch
+        partners = [e for e in self._records if (e.epoch == mine and e.samples_accumulated) or e.epoch == mine + 1]
+        return 1 + len(partners)
 
     @property
     def ready_to_update_epoch(self) -> bool:
@@ -184,6 +191,7 @@ class _BoundedMatchmaking(DecentralizedAverager):
     """
 
     owner_bounds_triggered_rounds = False
+    last_round: Any = None  # what the last step returned: its StepControl when it was not waited for
 
     def step(
         self,
@@ -200,14 +208,25 @@ class _BoundedMatchmaking(DecentralizedAverager):
             )
             bound = start + self.grace - now
             timeout = bound if timeout is None else min(timeout, bound)
-        return super().step(
+        self.last_round = super().step(
             *args, scheduled_time=scheduled_time, timeout=timeout, require_trigger=require_trigger, **kwargs
         )
+        return self.last_round
 
     @property
     def grace(self) -> float:
         """How long after its scheduled start a round may still find its group: one request's timeout."""
         return self.matchmaking_kwargs["request_timeout"] or self.matchmaking_kwargs["min_matchmaking_time"]
+
+    def expect_group(self, size: Optional[int]) -> None:
+        """Let the next round begin its all-reduce as soon as ``size`` peers (this one included) are in its group,
+        instead of waiting out its matchmaking time (None: wait it out, take whoever came). The averager process
+        applies it before any round asked for later (its pipe keeps their order)."""
+        self._outer_pipe.send(("_expect_group", [], dict(size=size)))
+
+    async def _expect_group(self, size: Optional[int]) -> None:
+        self._matchmaking.target_group_size = size
+        self._matchmaking.potential_leaders.target_group_size = size
 
 
 class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaking):
@@ -263,6 +282,8 @@ class ConsistentStateAverager(_StartsByFork, TrainingStateAverager, _NotesDownlo
             return super().get_current_state()
 
 
+NEVER = 2**62  # an ``average_state_every`` that no epoch reaches
+
 PACE_STEPS = 3  # consecutive steps closer together than a round needs, before the warning
 
 
@@ -308,6 +329,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.failed_rounds = 0  # gradient all-reduces that failed (no group found, or timed out): stepped alone
         self.failed_round_seconds = 0.0  # the time they held this peer up: waiting for them, not their background
         self._failed_at: Optional[float] = None  # when a background round failed, until the foreground next waits
+        self._expected_group = 1  # the peers counted on for the current gradient round, this one included
+        self._out_of_sync = False  # its parameters may differ from its partners': it downloads their state next
         self.pace = StepPace(self.run_id, self.matchmaking_time, self.tracker.target_batch_size)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
@@ -338,10 +361,58 @@ class SwarmOptimizer(hivemind.Optimizer):
             **kwargs,
         )
 
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        """No pre-scheduled gradient rounds: a round opens when this peer's epoch ends, expecting its partners
+        (:meth:`_begin_averaging_gradients`). hivemind pre-schedules one a matchmaking time ahead of its estimate of
+        the epoch's end, which fixes when the group assembles: partners that noticed the end later found it gone."""
+
+    def _maybe_schedule_state_averaging(self) -> None:
+        if self.delay_optimizer_step:  # synchronous steps average the state only after a failed round, unscheduled
+            super()._maybe_schedule_state_averaging()
+
+    def _begin_averaging_gradients(self, grad_scaler: Any) -> bool:
+        # the round's group is complete once the partners counted in this epoch have joined: it begins at once
+        if self.scheduled_grads is not None and (self.scheduled_grads.triggered or self.scheduled_grads.done()):
+            self.scheduled_grads = None  # the last round's: hivemind would skip this round for it (nothing replaces it)
+        self._expected_group = self.tracker.global_progress.num_peers = self.tracker.group_size()
+        if self._expected_group > 1:
+            self.grad_averager.expect_group(self._expected_group)
+        began = super()._begin_averaging_gradients(grad_scaler)
+        # alone, hivemind loads the accumulated gradients into its host buffers only, and a synchronous step then
+        # used the last backward's .grad; "began" sends them through _load_local_gradients_into_optimizer instead
+        # (with delayed updates the host buffers are the optimizer's gradients, and are loaded now, as hivemind does)
+        return began or (self.scheduled_grads is None and not self.offload_optimizer)
+
+    def _load_local_gradients_into_optimizer(self) -> None:
+        """This peer's accumulated gradients, divided by the backward passes accumulated (hivemind's scaling), into
+        ``.grad`` on the parameters' device. hivemind copies them into the averager's shared host memory, scales them
+        there on one thread and copies them back; the host optimizer of delayed updates still reads them there."""
+        if self.offload_optimizer:
+            super()._load_local_gradients_into_optimizer()
+            return
+        averager = self.grad_averager
+        scale = 1.0 / averager.local_times_accumulated if averager.local_times_accumulated else 0.0
+        with torch.no_grad():
+            for param, accumulated in zip(averager.parameters, averager._grad_accumulators()):
+                if param.grad is None:
+                    param.grad = torch.empty_like(param)
+                param.grad.copy_(accumulated).mul_(scale)
+        averager.notify_used_averaged_gradients()
+
     def _update_global_epoch(self, grad_scaler: Any) -> None:
         if self.delay_optimizer_step:
             self._finish_background_step()  # hivemind waits for it first too: here that wait is timed
+        else:  # hivemind averages the parameters after every step; needed only after a round without every partner
+            self.average_state_every = NEVER  # set back to 1 by a round that missed a partner
+            self.state_averager.last_round = None
         super()._update_global_epoch(grad_scaler)
+        if self.average_state_every == 1 and not self.delay_optimizer_step:
+            # parameters are equal again only if every partner came to that averaging round; if not, this peer takes
+            # a partner's state at its next step (or idle moment)
+            averaged = self.state_averager.last_round
+            complete = averaged is not None and averaged.done() and not averaged.cancelled()
+            complete = complete and averaged.exception() is None and len(averaged.result()) >= self._expected_group
+            self._out_of_sync = not complete
         self.steps += 1
         warning = self.pace.tick(time.monotonic())
         if warning is not None:
@@ -358,8 +429,12 @@ class SwarmOptimizer(hivemind.Optimizer):
         if assembled and control.cancelled():
             return  # cancelled by this peer catching up with the others: not a failed round
         if assembled and control.done() and control.exception() is None:
-            self.allreduce_sizes[len(control.result())] += 1
+            size = len(control.result())
+            self.allreduce_sizes[size] += 1
+            if size < self._expected_group:  # the partners left out stepped alone: average the parameters
+                self._average_state_with_partners()
             return
+        self._average_state_with_partners()  # this peer steps alone: its parameters leave the others'
         if not control.done():  # hivemind stopped waiting for it (averaging timeout): nobody will use it
             control.cancel()
         self.failed_rounds += 1
@@ -367,6 +442,13 @@ class SwarmOptimizer(hivemind.Optimizer):
             self._failed_at = time.monotonic()
         else:  # this peer waited for it, from its trigger
             self.failed_round_seconds += time.monotonic() - triggered
+
+    def _average_state_with_partners(self) -> None:
+        """Average the parameters (and optimizer state) after this step, in a round that begins once the partners of
+        the gradient round have joined."""
+        self.average_state_every = 1
+        if not self.delay_optimizer_step:
+            self.state_averager.expect_group(self._expected_group)
 
     def _finish_background_step(self) -> None:
         """Wait for the background step of delayed updates and put its result into the parameters. The part of the
@@ -433,6 +515,9 @@ class SwarmOptimizer(hivemind.Optimizer):
         return self.state_averager.downloaded
 
     def _should_load_state_from_peers(self) -> bool:
+        if self._out_of_sync:
+            self._out_of_sync = False  # one download: it may fail, or bring an older state (then it is kept)
+            return True
         if self.delay_grad_averaging and self.grad_averager.local_samples_accumulated > 0:
             # a peer's new epoch shows as soon as it schedules its step, while that step's all-reduce still
             # assembles in the background: a peer one epoch behind with gradients joins it (hivemind's rule)

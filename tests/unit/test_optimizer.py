@@ -3,6 +3,7 @@ in this process."""
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import os
 import signal
@@ -306,3 +307,77 @@ def test_a_swarm_stepping_about_as_often_as_a_round_assembles_is_told_to_raise_i
     assert [slow.tick(t) for t in (0.0, 2.5, 5.0, 7.5, 10.0)] == [None] * 5
     interrupted = StepPace("s", 1.0, 32)
     assert [interrupted.tick(t) for t in (0.0, 1.0, 2.0, 5.0, 6.0, 7.0)] == [None] * 6
+
+
+def test_a_round_expecting_its_partners_begins_as_soon_as_they_are_there():
+    """Told the size of its group, a round begins its all-reduce once that many peers joined, without waiting out its
+    matchmaking time (60 s here: the results come well within it); hivemind's leader waits it out even when every
+    partner is there."""
+    first = SwarmNode().start()
+    nodes = [first, SwarmNode(first.visible_maddrs()).start()]
+    parameters = [torch.nn.Parameter(torch.zeros(4)) for _ in nodes]
+    for i, parameter in enumerate(parameters):
+        parameter.grad = torch.full((4,), float(i))  # what each averages
+    averagers = [
+        BoundedGradientAverager(
+            [parameter],
+            dht=node.dht,
+            prefix="expected_group",
+            min_matchmaking_time=60.0,
+            request_timeout=GRACE,
+            start=True,
+        )
+        for parameter, node in zip(parameters, nodes)
+    ]
+    try:
+        controls = []
+        for averager in averagers:
+            averager.expect_group(2)
+            controls.append(averager.schedule_step(timeout=120.0))
+        for control in controls:
+            control.allow_allreduce()
+        assert [len(control.result(timeout=45.0)) for control in controls] == [2, 2]
+        with averagers[0].get_tensors() as (averaged,):
+            assert torch.equal(averaged, torch.full((4,), 0.5))
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for node in nodes:
+            node.shutdown()
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["synchronous", "delayed"])
+def test_a_stage_with_one_peer_steps_exactly_as_plain_training(delayed):
+    """Alone, the stage optimizer steps on the mean of the gradients of the backward passes since its last step, as
+    plain training with gradient accumulation does (the sum of the microbatches' gradients over their count):
+    parameters equal a plain AdamW's, bit for bit, after each of three steps of two microbatches. (hivemind, alone
+    and synchronous, stepped on the last backward's gradients.)"""
+    node = SwarmNode().start()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    plain = copy.deepcopy(model)
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
+    user = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    optimizer = swarm_optimizer(node.dht, "alone", user, 8, 1.0, 5.0, delayed=delayed)
+    try:
+        for step in range(3):
+            inputs = [torch.randn(4, 8) for _ in range(2)]
+            for x in inputs:
+                model(x).square().mean().backward()
+                optimizer.step(batch_size=4)
+                optimizer.zero_grad()
+            optimizer.apply_finished_update(wait=True)
+            grads = []
+            for x in inputs:
+                plain.zero_grad()
+                plain(x).square().mean().backward()
+                grads.append([p.grad.clone() for p in plain.parameters()])
+            for p, *microbatches in zip(plain.parameters(), *grads):
+                p.grad = sum(microbatches, torch.zeros_like(p)).mul_(1 / len(microbatches))
+            reference.step()
+            assert optimizer.local_epoch == step + 1
+            for mine, theirs in zip(model.parameters(), plain.parameters()):
+                assert torch.equal(mine, theirs), (step, (mine - theirs).abs().max())
+    finally:
+        optimizer.shutdown()
+        node.shutdown()
