@@ -4,8 +4,8 @@ Each host is a namespace with one veth link (``eth0``) to a bridge that lives in
 switch), so that the test's traffic never touches the machine's own namespace. Links can be shaped with ``tbf`` in
 both directions, to emulate a host's uplink and downlink. A router namespace that masquerades (``iptables``) can put
 hosts behind NAT. Addresses come from 198.18.0.0/15, reserved for benchmarking networks (RFC 2544): public hosts
-are in 198.18.0.0/24, private ones behind router ``k`` in 198.19.k.0/24. No namespace has a route beyond these
-networks, so nothing can reach any other address.
+are in 198.18.0.0/24, and each host behind NAT shares a /24 of 198.19.0.0/16 with its router. No namespace has a
+route beyond these networks, so nothing can reach any other address.
 
 Namespace names carry this test session's mark (see tests/conftest.py), so that the suite's leftover check finds
 ours and never touches another run's. Everything is removed when the :class:`EmulatedHosts` context ends, processes
@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 from lightning_swarm.launch import LocalSwarm, Peer
 
 PUBLIC_NET = ipaddress.ip_network("198.18.0.0/24")
-PRIVATE_NETS = ipaddress.ip_network("198.19.0.0/16")  # one /24 per router
+PRIVATE_NETS = ipaddress.ip_network("198.19.0.0/16")  # one /24 per host behind NAT
 NETNS_PREFIX = "lsw"  # every namespace of this suite's: lsw-<session>-<hosts>-<name>
 PORT = 31337  # libp2p's port on every host: each host has its own addresses, so the same port never collides
 
@@ -116,7 +116,7 @@ class EmulatedHosts:
     hosts: dict[str, Host] = field(default_factory=dict)
     _made: list[str] = field(default_factory=list)
     _public: int = 0  # addresses given out on the public network
-    _routers: int = 0
+    _private: int = 0  # private networks given out behind routers
 
     @property
     def switch(self) -> str:
@@ -148,25 +148,24 @@ class EmulatedHosts:
         return host
 
     def add_nat(self, name: str, router: str = "router", rate_mbit: Optional[float] = None) -> Host:
-        """A host behind a router that masquerades (made on first use): it can open connections to the public
-        hosts, which cannot open any to it. ``rate_mbit`` shapes the router's link to the public network."""
+        """A host behind a router that masquerades (made on first use, its link to the public network shaped to
+        ``rate_mbit``): the host can open connections to the public hosts, which cannot open any to it. Each such
+        host has a private network of its own with the router, 198.19.<n>.0/24."""
         router_ns = f"{session_prefix()}{self.tag}-{router}"
         if router_ns not in self._made:
-            if unavailable_reason(nat=True):
-                raise RuntimeError(unavailable_reason(nat=True))
-            self._routers += 1
+            reason = unavailable_reason(nat=True)
+            if reason:
+                raise RuntimeError(reason)
             self._add_namespace(router_ns)
             self._plug(router_ns, "eth0", self._public_ip(), PUBLIC_NET.prefixlen, rate_mbit)
             self._exec(router_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
             self._exec(router_ns, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "eth0", "-j", "MASQUERADE")
-        subnet = list(PRIVATE_NETS.subnets(new_prefix=24))[self._routers]
-        behind = len([h for h in self.hosts.values() if h.router == router])
-        gateway, ip = str(subnet[1]), str(subnet[2 + behind])
+        self._private += 1
+        subnet = list(PRIVATE_NETS.subnets(new_prefix=24))[self._private]
+        gateway, ip, port = str(subnet[1]), str(subnet[2]), f"p{self._private}"
         netns = self._add_namespace(f"{session_prefix()}{self.tag}-{name}")
-        port = f"p{behind}"
         self._ip(router_ns, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", netns)
-        if behind == 0:
-            self._ip(router_ns, "addr", "add", f"{gateway}/24", "dev", port)
+        self._ip(router_ns, "addr", "add", f"{gateway}/24", "dev", port)
         self._ip(router_ns, "link", "set", port, "up")
         self._ip(netns, "addr", "add", f"{ip}/24", "dev", "eth0")
         self._ip(netns, "link", "set", "eth0", "up")
@@ -181,10 +180,6 @@ class EmulatedHosts:
             listing = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=30)
             found += [int(pid) for pid in listing.stdout.split()]
         return found
-
-    def run(self, host: str, *command: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
-        """Run ``command`` on ``host`` and wait for it."""
-        return subprocess.run([*self.hosts[host].command(), *command], capture_output=True, text=True, timeout=timeout)
 
     # ---- plumbing ------------------------------------------------------------------------------------------------
 
