@@ -9,16 +9,22 @@ lock (a thread lock and ``flock``). Clocks are ``time.monotonic()``, one clock f
   for its calibrated duration, so kernels of all processes run one at a time, in the order launched; launching it
   holds the GIL for its launch cost (a spin), as eager PyTorch's launches do, and a kernel shorter than its launch
   cannot finish before the launch does.
-- Each process has one stream (its default stream): an asynchronous copy (:meth:`EmulatedDevice.copy_async`)
-  occupies the stream, not the device, and later kernels of that process start after it.
-- A device sync (:meth:`EmulatedDevice.synchronize`) sleeps, releasing the GIL, until this process's last enqueued
-  work is done (the last 0.15 ms yielding instead of sleeping, so that its wake-up is not late by the kernel's timer
-  slack). A blocking copy (pageable memory) or host work that waits between syncs (:meth:`EmulatedDevice.blocking`)
-  first syncs, then waits its calibrated time.
+- Each process has a compute stream, and each thread that asks for one (``device_sync.side_stream``: a stage
+  server's decoding and encoding) a side stream of its own. An asynchronous copy (:meth:`EmulatedDevice.copy_async`)
+  occupies its stream, not the device, and later kernels of that stream start after it. A side stream's kernel does
+  not wait for the work other streams enqueued before it: it runs as soon as its stream allows, between their
+  kernels, delaying them by its duration (:meth:`Timeline.enqueue`). Marks (``device_sync.mark``) are the time
+  their stream reaches them; a stream made to wait for one starts its next work after it.
+- A stream sync (:meth:`EmulatedDevice.synchronize`) sleeps, releasing the GIL, until the current stream's last
+  enqueued work is done (the last 0.15 ms yielding instead of sleeping, so that its wake-up is not late by the
+  kernel's timer slack); a device sync waits for all the process's streams. A blocking copy (pageable memory) or
+  host work that waits between syncs (:meth:`EmulatedDevice.blocking`) first syncs, then waits its calibrated
+  time.
 
 Where the real code waits on a device, the emulation is put in its place (:func:`install`):
-``lightning_swarm.device_sync``'s three functions (the stage server's synchronize after each request, the finiteness
-check of a decoded request, the device-to-host copy of an encoded tensor); the codec's kernels (8-bit quantize on
+``lightning_swarm.device_sync``'s functions (marks and their timing, side streams and the waits between streams,
+the finiteness check of a decoded tensor, the device-to-host copy of an encoded one into pinned memory, a whole-device
+synchronize); the codec's kernels (8-bit quantize on
 encoding, and dequantize when decoding onto the device, after the host copy into a staging buffer and an
 asynchronous host-to-device copy); and hivemind's optimizer: gradient accumulation on the device, the step's copies
 of the whole gradient into shared host memory and back and its scaling on one host thread (emulated waits, for the
@@ -26,8 +32,8 @@ parameter count of the real model, ``EmulatedDevice.optimizer_numel``), the opti
 accumulators' reset. The pipeline's blocks are :class:`EmulatedBlock`: their parameters are one element each (the
 real block's names, their real sizes in ``emulated_numel``), a call launches one kernel of the calibrated time for
 its samples and returns a real tensor of the real size without computing it. The trainer's local modules
-(:class:`EmulatedEmbedding`, :class:`EmulatedHead`) are emulated the same way and account for the blocking uploads
-of the pipeline's output and input gradient (today's code moves them to the device from pageable host memory).
+(:class:`EmulatedEmbedding`, :class:`EmulatedHead`) are emulated the same way; the pipeline's output and input
+gradient reach them decoded on the device.
 
 Everything else is today's code, run for real: routing, transport, codec framing and host-side decoding, kept
 activations, the fair queue, hivemind's optimizer logic. :func:`instrument` adds records of what the swarm does
@@ -181,12 +187,17 @@ class Timeline:
         key: int = 0,
         value: float = 0.0,
         extra: int = 0,
+        beside: bool = False,
     ) -> float:
         """Put a kernel of ``seconds`` on the device, starting at ``earliest`` at the soonest and after ``after``
-        (its stream's last work) and after everything enqueued before it; returns when it ends (the lock held)."""
-        start = max(earliest, float(self._busy[0]), after)
+        (its stream's last work) and after everything enqueued before it; returns when it ends (the lock held).
+        ``beside``: a kernel of a side stream, which need not wait for the work enqueued before it on other streams:
+        it runs at once, between their kernels, and the device's queued work ends ``seconds`` later (the kernels
+        already enqueued keep the ends they were given: a small error, for the small kernels of side streams)."""
+        busy = float(self._busy[0])
+        start = max(earliest, after) if beside else max(earliest, busy, after)
         end = start + seconds
-        self._busy[0] = end
+        self._busy[0] = busy + seconds if beside and busy > start else max(busy, end)
         self.append(start, end, proc, kind, key, 0, value, extra)
         return end
 
@@ -206,9 +217,18 @@ class EmulatedDevice:
 
     def __init__(self, timeline: Timeline, proc: int, calibration: Calibration) -> None:
         self.timeline, self.proc, self.cal = timeline, proc, calibration
-        self.tail = 0.0  # when this process's last enqueued work (kernel or copy) ends
+        self._local = threading.local()  # the thread's stream (None: the compute stream); the request it computes
+        self._tails: dict[Optional[int], float] = {}  # per stream: when its last enqueued work (kernel, copy) ends
         self.optimizer_numel = 0  # the real model's parameter count behind this process's (one) optimizer
-        self._local = threading.local()  # the request a stage server's worker computes: (key, kind)
+
+    @property
+    def tail(self) -> float:
+        """When the last work enqueued on the current thread's stream ends."""
+        return self._tails.get(getattr(self._local, "stream", None), 0.0)
+
+    @tail.setter
+    def tail(self, value: float) -> None:
+        self._tails[getattr(self._local, "stream", None)] = value
 
     # ---- the device ---------------------------------------------------------------------------------------------
 
@@ -217,10 +237,11 @@ class EmulatedDevice:
         launch = self.cal.kernel_launch if launch is None else launch
         seconds = max(seconds, self.cal.kernel_min)
         now = time.monotonic()
+        beside = getattr(self._local, "stream", None) is not None
         with self.timeline.locked():
             # launched over [now, now + launch]: the kernel cannot end before its launch does
             self.tail = self.timeline.enqueue(
-                seconds, now + max(0.0, launch - seconds), self.tail, self.proc, kind, key, launch, extra
+                seconds, now + max(0.0, launch - seconds), self.tail, self.proc, kind, key, launch, extra, beside
             )
         _spin(launch)
 
@@ -232,9 +253,10 @@ class EmulatedDevice:
             self.tail = start + seconds
             self.timeline.append(start, self.tail, self.proc, COPY, value=nbytes)
 
-    def synchronize(self) -> None:
-        """Wait until this process's work enqueued so far is done (the GIL released)."""
-        target, start = self.tail, time.monotonic()
+    def synchronize(self, every_stream: bool = False) -> None:
+        """Wait until the work enqueued so far on the current thread's stream (or on all of this process's) is done
+        (the GIL released)."""
+        target, start = max(self._tails.values(), default=0.0) if every_stream else self.tail, time.monotonic()
         if target <= start:
             return
         spun = _wait_until(target)
@@ -275,7 +297,30 @@ class EmulatedDevice:
     # ---- lightning_swarm.device_sync in its place -----------------------------------------------------------------
 
     def sync_device(self, device: torch.device) -> None:
-        self.synchronize()
+        self.synchronize(every_stream=True)
+
+    def mark(self, device: torch.device) -> Any:
+        """An event after the current stream's work so far: the time the stream reaches it."""
+        from lightning_swarm.device_sync import Mark
+
+        return Mark(device, max(time.monotonic(), self.tail), time.perf_counter())
+
+    @staticmethod
+    def seconds_between(start: Any, end: Any) -> Optional[float]:
+        return None if time.monotonic() < end.event else end.event - start.event
+
+    @contextlib.contextmanager
+    def side_stream(self, device: torch.device) -> Iterator[None]:
+        """The current thread's own stream: its kernels run beside the compute stream's (Timeline.enqueue)."""
+        before = getattr(self._local, "stream", None)
+        self._local.stream = threading.get_ident()
+        try:
+            yield
+        finally:
+            self._local.stream = before
+
+    def wait_for(self, done: Any, tensors: Any = ()) -> None:
+        self.tail = max(self.tail, done.event)
 
     def all_finite(self, tensor: torch.Tensor) -> bool:
         """The check's reduction, then the host reads its one value (the emulated tensor holds no values to check)."""
@@ -284,8 +329,9 @@ class EmulatedDevice:
         return True
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A device-to-host copy into pageable memory (``.cpu()``): waits for the stream, then for the copy."""
-        self.pageable_copy(tensor.numel() * tensor.element_size(), HOST_D2H)
+        """A device-to-host copy into pinned memory on the current stream, which the host then waits for."""
+        self.copy_async(tensor.numel() * tensor.element_size())
+        self.synchronize()
         return tensor
 
 
@@ -392,9 +438,8 @@ class _LocalCall(torch.autograd.Function):
 
 
 class EmulatedEmbedding(nn.Module):
-    """The trainer's token and position embeddings: token ids in, activations of ``d_model`` out, not computed; the
-    backward first uploads the pipeline's input gradient (a blocking copy from pageable memory, as
-    ``.to(device)`` of the host tensor the pipeline returns)."""
+    """The trainer's token and position embeddings: token ids in, activations of ``d_model`` out, not computed (the
+    pipeline's input gradient arrives decoded on the device)."""
 
     def __init__(self, vocab: int, block: int, d_model: int) -> None:
         super().__init__()
@@ -410,7 +455,6 @@ class EmulatedEmbedding(nn.Module):
 
     def emulate_backward(self, grad: torch.Tensor, shape: torch.Size) -> None:
         if DEVICE is not None:
-            DEVICE.pageable_copy(grad.numel() * grad.element_size(), HOST_H2D)
             DEVICE.memory_kernel(2 * grad.numel() * grad.element_size(), LOCAL, launches=3)
         return None
 
@@ -419,8 +463,8 @@ class EmulatedEmbedding(nn.Module):
 
 
 class EmulatedHead(nn.Module):
-    """The final LayerNorm, the head and the loss: the pipeline's output in (uploaded first, a blocking copy from
-    pageable memory), a real loss value out, neither computed; its gradient a real tensor of the output's size."""
+    """The final LayerNorm, the head and the loss: the pipeline's output in (decoded on the device), a real loss
+    value out, neither computed; its gradient a real tensor of the output's size."""
 
     def __init__(self, vocab: int, d_model: int) -> None:
         super().__init__()
@@ -430,7 +474,6 @@ class EmulatedHead(nn.Module):
 
     def emulate_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if DEVICE is not None:
-            DEVICE.pageable_copy(x.numel() * x.element_size(), HOST_H2D)
             DEVICE.memory_kernel(3 * x.numel() * x.element_size(), LOCAL, launches=6)
         return (weight * 0).sum() + 4.5  # a real, finite loss (about ln(96))
 
@@ -470,6 +513,10 @@ def install(device: EmulatedDevice) -> None:
     device_sync.synchronize = device.sync_device
     device_sync.all_finite = device.all_finite
     device_sync.to_host = device.to_host
+    device_sync.mark = device.mark
+    device_sync.seconds_between = device.seconds_between
+    device_sync.side_stream = device.side_stream
+    device_sync.wait_for = device.wait_for
 
     blocks = compression.BLOCK_SIZE
     deserialize, dequantize = compression.deserialize, compression._dequantize
@@ -571,6 +618,8 @@ def instrument(device: EmulatedDevice) -> None:
     from lightning_swarm.client.remote_pipeline import RemotePipeline
     from lightning_swarm.client.routing import StageRouter
     from lightning_swarm.optimizer import SwarmOptimizer
+    from lightning_swarm.server.backend import StageBackend
+    from lightning_swarm.server.runtime import StageRuntime
     from lightning_swarm.server.stage_server import StageServer
 
     timeline, proc, now = device.timeline, device.proc, time.monotonic
@@ -582,8 +631,8 @@ def instrument(device: EmulatedDevice) -> None:
         except Exception:
             return 0
 
-    answer_tensors, submit, serve = StageServer.answer_tensors, StageServer._submit, StageServer._serve
-    hand_over, update_epoch = StageServer._hand_over_gradients, SwarmOptimizer._update_global_epoch
+    answer_tensors, submit, serve = StageServer.answer_tensors, StageServer._submit, StageRuntime._serve
+    hand_over, update_epoch = StageBackend.hand_over_gradients, SwarmOptimizer._update_global_epoch
     apply_update = SwarmOptimizer.apply_finished_update
 
     async def answer(self, kind: str, request: Any, caller: str = "this peer") -> Any:
@@ -594,20 +643,19 @@ def instrument(device: EmulatedDevice) -> None:
         finally:
             timeline.record(start, now(), proc, ANSWER, key, extra=REQUEST_KINDS.get(kind, 0))
 
-    def submitted(
-        self, kind: str, tensors: list, train: bool, batch: int, caller: str, key: Any, *args: Any, **kwargs: Any
-    ) -> Any:
+    def submitted(self, caller: str, task: Any, key: Any) -> Any:
         t = now()
-        timeline.record(t, t, proc, SUBMIT, key_of(key), value=batch, extra=REQUEST_KINDS.get(kind, 0))
-        return submit(self, kind, tensors, train, batch, caller, key, *args, **kwargs)
+        timeline.record(t, t, proc, SUBMIT, key_of(key), value=task.batch, extra=REQUEST_KINDS.get(task.kind, 0))
+        return submit(self, caller, task, key)
 
-    def served(self, kind: str, tensors: list, train: bool, batch: int, key: Any, *args: Any) -> None:
-        start, code = now(), REQUEST_KINDS.get(kind, 0)
+    def served(self, tasks: list) -> None:
+        start, code, key = now(), REQUEST_KINDS.get(tasks[0].kind, 0), tasks[0].key
         device.set_request(key_of(key), code)
         try:
-            serve(self, kind, tensors, train, batch, key, *args)
+            serve(self, tasks)
         finally:
             device.set_request(0, 0)
+            batch = sum(task.batch for task in tasks)
             timeline.record(start, now(), proc, SERVE, key_of(key), value=batch, extra=code)
 
     def handed_over(self, batch: int) -> None:
@@ -636,8 +684,8 @@ def instrument(device: EmulatedDevice) -> None:
 
     StageServer.answer_tensors = answer
     StageServer._submit = submitted
-    StageServer._serve = served
-    StageServer._hand_over_gradients = handed_over
+    StageRuntime._serve = served
+    StageBackend.hand_over_gradients = handed_over
     SwarmOptimizer._update_global_epoch = updated_epoch
     SwarmOptimizer.apply_finished_update = applied_update
 

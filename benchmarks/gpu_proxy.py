@@ -65,10 +65,10 @@ N_LAYER, BATCH, BLOCK, VOCAB = 8, 8, 512, 96
 PROCS = {"stage0": 0, "stage1": 1, "trainer": emu.TRAINER}
 IDLE = ("queued", "step", "between_batches", "in_flight")
 HOP_PARTS = (
-    "sender_finish",  # compute end -> the worker answered (its synchronize, the rest of the request)
-    "sender_encode",  # -> the reply left the handler (quantize, device-to-host copy, join)
+    "sender_finish",  # compute end -> the worker answered (0 when it answered before the device was done)
+    "sender_encode",  # -> the reply left the handler (its wait for the compute, quantize, copy to the host, join)
     "reply_transfer",  # -> the trainer has the reply
-    "trainer_check",  # -> the trainer checked it (decoded on the host, finite)
+    "trainer_check",  # -> the trainer checked it (its header and framing: the next stage checks its values)
     "send_transfer",  # -> the request arrived at the next stage (the trainer's send, the transfer)
     "receiver_decode",  # -> queued there (host copy, host-to-device copy, dequantize, finiteness sync, shape check)
     "queue_wait",  # -> its worker took it
@@ -511,6 +511,7 @@ def _hop_stamps(src, dst, code, last, first, serve, handovers, answer, calls, ch
     """The times that split a hop (see ``HOP_PARTS``), or None if one is missing."""
     try:
         answered = float(handovers[src[:2]]["t0"]) if code == 2 and src[:2] in handovers else float(serve[src]["t1"])
+        answered = max(answered, last[src])  # a worker that does not wait for the device answers before it is done
         return [
             last[src],
             answered,

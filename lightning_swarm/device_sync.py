@@ -1,29 +1,100 @@
-"""The places where host code waits for the device, in one module.
+"""The places where host code waits for the device, or orders work between streams, in one module.
 
-A GPU runs kernels after they were launched, so the host waits only where it needs a result: the stage server's
-synchronize after each request (:meth:`~lightning_swarm.server.stage_server.StageServer._synchronize`), the
-finiteness check of a decoded request (a device-wide reduction read on the host), and the device-to-host copy of an
-encoded tensor (:func:`~lightning_swarm.compression.encode`). Each goes through a function here, looked up at every
-call, so that ``benchmarks/gpu_proxy.py`` can put an emulated device in their place (its device time on a timeline
-that the processes of a swarm share); the functions themselves are exactly the torch calls they stand for.
+A GPU runs kernels after they were launched, so the host waits only where it needs a result: the finiteness check of
+a decoded request (a reduction read on the host), the device-to-host copy of an encoded tensor
+(:func:`~lightning_swarm.compression.encode`), and, to know how long a request computed, a pair of events
+(:func:`mark`, :func:`seconds_between`) read once the device passed them, never waited for. A stage server decodes and
+encodes on a stream of the decoding thread's own (:func:`side_stream`), ordered after the compute by events
+(:func:`wait_for`), so that a reply's copy never waits behind the next request's kernels. Each function is looked up
+at every call, so that ``benchmarks/gpu_proxy.py`` can put an emulated device in their place (its device time on a
+timeline that the processes of a swarm share); the functions themselves are exactly the torch calls they stand for.
+On the CPU they wait for nothing: the work is done when the call returns.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional
+
 import torch
+
+_streams = threading.local()  # this thread's side stream, per CUDA device
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A point in the work queued on ``device``: a CUDA event recorded on its current stream (None on the CPU,
+    where the work is done when it is queued) and the host clock when it was recorded."""
+
+    device: torch.device
+    event: Any
+    host_time: float
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for the work queued on ``device`` (nothing to wait for on the CPU)."""
+    """Wait for all the work queued on ``device`` (nothing to wait for on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
+def mark(device: torch.device) -> Mark:
+    """A mark after the work queued so far on the current stream of ``device``."""
+    if device.type != "cuda":
+        return Mark(device, None, time.perf_counter())
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return Mark(device, event, time.perf_counter())
+
+
+def seconds_between(start: Mark, end: Mark) -> Optional[float]:
+    """The device's time from ``start`` to ``end``, or None while it has not reached ``end`` (never waits)."""
+    if end.event is None:
+        return end.host_time - start.host_time
+    if not end.event.query():
+        return None
+    return start.event.elapsed_time(end.event) / 1000.0
+
+
+@contextlib.contextmanager
+def side_stream(device: torch.device) -> Iterator[None]:
+    """Queue the enclosed work on a stream of this thread's own on ``device``, beside the compute stream."""
+    if device.type != "cuda":
+        yield
+        return
+    streams = _streams.__dict__.setdefault("by_device", {})
+    stream = streams.get(device)
+    if stream is None:
+        stream = streams[device] = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        yield
+
+
+def wait_for(done: Mark, tensors: Iterable[torch.Tensor] = ()) -> None:
+    """Queue the current stream's next work after ``done``; ``tensors``, made on another stream, are marked as used
+    on this one, so that their memory is not reused before this stream is done with them."""
+    if done.event is None:
+        return
+    stream = torch.cuda.current_stream(done.device)
+    stream.wait_event(done.event)
+    for tensor in tensors:
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
+
+
 def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether every value of ``tensor`` is finite (on a GPU, the host waits for the reduction)."""
+    """Whether every value of ``tensor`` is finite (on a GPU, the host waits for the current stream's reduction)."""
     return bool(torch.isfinite(tensor).all())
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` in host memory (on a GPU, the copy waits for the work queued before it)."""
-    return tensor.cpu()
+    """``tensor`` in host memory: from a GPU, copied into pinned memory on the current stream, which the host then
+    waits for (not for the device's other streams)."""
+    if not tensor.is_cuda:
+        return tensor.cpu()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    torch.cuda.current_stream(tensor.device).synchronize()
+    return host

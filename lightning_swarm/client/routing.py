@@ -47,13 +47,12 @@ from lightning_swarm.errors import (
 from lightning_swarm.logs import RateLimit
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.protocol import stage_uid
-from lightning_swarm.server.stage_server import StageServer
+from lightning_swarm.stage_api import WAIT_LOG_PERIOD, LocalStage, StageService
 from lightning_swarm.transport import CONNECT_TIMEOUT, DirectClient, DirectRequest, DirectUnreachable
 
 log = logging.getLogger(__name__)
 
 DEFAULT_THROUGHPUT = 1.0  # samples/s assumed while no peer of the stage has been measured: only ratios matter
-WAIT_LOG_PERIOD = 10.0  # seconds between two log lines about the same stage having no live peer
 UNREACHABLE_PERIOD = 300.0  # seconds a peer whose direct address could not be reached is called over libp2p
 MAX_REPLY_BYTES = 256 * 2**20  # a reply's tensor, decoded: as much as a stage server accepts in a request
 Reply = list[runtime_pb2.Tensor]
@@ -174,7 +173,7 @@ class StageRouter:
         self.refresh_period = refresh_period
         self.stats = RouterStats()  # read by anyone; counted by this router and, through add(), its pipeline
         self.on_event: Optional[Callable[[events.SwarmEvent], None]] = None  # receives Failover events
-        self.local_server: Optional[StageServer] = None  # this peer's own stage server, called without the network
+        self.local_server: Optional[LocalStage] = None  # this peer's own stage server, called without the network
         self._peers: list[dict[str, PeerLoad]] = [{} for _ in range(num_stages)]
         self._refreshed_at = [0.0] * num_stages
         self._lock = threading.Lock()
@@ -392,7 +391,7 @@ class StageRouter:
                 return reply
             except DirectUnreachable as e:
                 self._mark_unreachable(peer, e)
-        stub = StageServer.get_stub(self.node.p2p, PeerID.from_base58(peer), namespace=self.run_id)
+        stub = StageService.get_stub(self.node.p2p, PeerID.from_base58(peer), namespace=self.run_id)
         metadata, tensors = self._with_token(metadata, peer), [compression.to_message(t) for t in tensors]
         reply, _ = await protocol.call(stub, method, uid, tensors, metadata, self.request_timeout)
         self._count_call(direct=False)
@@ -461,7 +460,7 @@ class StageRouter:
                 waiting_since = waiting_since or time.monotonic()
                 self._wait_for_peer(stage, waiting_since, None)
                 continue
-            stub = StageServer.get_stub(self.node.p2p, PeerID.from_base58(peer), namespace=self.run_id)
+            stub = StageService.get_stub(self.node.p2p, PeerID.from_base58(peer), namespace=self.run_id)
             metadata = protocol.encode_metadata(self._with_token({"optimizer": True} if optimizer else {}, peer))
             request = runtime_pb2.ExpertRequest(uid=stage_uid(self.run_id, stage), metadata=metadata)
             try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from typing import Any, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 _MAX_REMEMBERED = 1024  # callers whose virtual finish time is kept while they have nothing queued
 
@@ -70,22 +70,38 @@ class FairQueue:
     def get(self, timeout: float) -> Optional[Any]:
         """The next item (by the callers' virtual start times); None once closed and empty; ``queue.Empty`` after
         ``timeout`` seconds without any."""
+        items = self.get_many(timeout, lambda taken, item: False)
+        return None if items is None else items[0]
+
+    def get_many(self, timeout: float, joins: Callable[[list[Any], Any], bool]) -> Optional[list[Any]]:
+        """As :meth:`get`, the next item, followed by the items next in turn for as long as ``joins(taken, item)``
+        (the turn order is kept: the first item that does not join ends the list)."""
         with self._ready:
             while self._size == 0 and not self._closed:
                 if not self._ready.wait(timeout):
                     raise queue.Empty
             if self._size == 0:
                 return None
-            caller = min(self._waiting, key=self._start.__getitem__)
-            self._clock = self._start[caller]
-            item, samples = self._pop(caller, newest=False)
-            if caller in self._start:
-                self._start[caller] += samples
-            else:  # it has nothing queued now: its next request starts where this one ends
-                self._finish[caller] = self._clock + samples
-                if len(self._finish) > _MAX_REMEMBERED:
-                    self._finish = {c: t for c, t in self._finish.items() if t > self._clock}
-            return item
+            taken = [self._take()]
+            while self._size:
+                caller = min(self._waiting, key=self._start.__getitem__)
+                if not joins(taken, self._waiting[caller][0][0]):
+                    break
+                taken.append(self._take())
+            return taken
+
+    def _take(self) -> Any:
+        """Hand the next item in turn to the worker (the lock held, something queued)."""
+        caller = min(self._waiting, key=self._start.__getitem__)
+        self._clock = self._start[caller]
+        item, samples = self._pop(caller, newest=False)
+        if caller in self._start:
+            self._start[caller] += samples
+        else:  # it has nothing queued now: its next request starts where this one ends
+            self._finish[caller] = self._clock + samples
+            if len(self._finish) > _MAX_REMEMBERED:
+                self._finish = {c: t for c, t in self._finish.items() if t > self._clock}
+        return item
 
     def close(self) -> list[Any]:
         """Stop taking requests: :meth:`get` returns None once empty. Returns the items still queued (to answer)."""

@@ -23,7 +23,6 @@ from torch import nn
 
 from lightning_swarm import checkpointing, discovery, partitioning, transport
 from lightning_swarm.checkpointing import STAGE_OPTIMIZERS_KEY
-from lightning_swarm.client.routing import WAIT_LOG_PERIOD, StageRouter
 from lightning_swarm.discovery import Announcer, PeerRecord, PeerState
 from lightning_swarm.errors import StageUnavailableError
 from lightning_swarm.events import EventQueue, PeerJoined, PeerLeft, StageChanged
@@ -34,6 +33,7 @@ from lightning_swarm.partitioning import Pipeline, StageSpan
 from lightning_swarm.rebalancing import JOIN_SETTLE, Move, Plan, Rebalancer, first_mover
 from lightning_swarm.server.stage_server import StageServer
 from lightning_swarm.settings import SwarmSettings
+from lightning_swarm.stage_api import WAIT_LOG_PERIOD, Routes
 from lightning_swarm.transport import DirectServer
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class StageHost:
         self.peer_id = str(node.peer_id)
         self.stage: Optional[Stage] = None
         self.server: Optional[StageServer] = None
-        self.router: Optional[StageRouter] = None  # calls this peer's own stage without the network
+        self.router: Optional[Routes] = None  # calls this peer's own stage without the network
         self.training = False
         self.rebalances = 0  # stage changes this peer saw (its own included)
         self._joining = False  # serving a stage whose state is still being downloaded
@@ -147,7 +147,7 @@ class StageHost:
         if self.router is not None:
             self.router.local_server = self.server
 
-    def use_router(self, router: StageRouter) -> None:
+    def use_router(self, router: Routes) -> None:
         """Let ``router`` call this peer's own stage without the network (and follow this peer's moves)."""
         self.router = router
         router.local_server = self.server

@@ -1,52 +1,46 @@
 """The stage server: answers forward and backward requests for the stage this peer serves (SWARM section 2).
 
-Requests arrive over hivemind's libp2p RPC or the direct path (:mod:`~lightning_swarm.transport`), both answered by
-:meth:`StageServer.answer_tensors`: the caller's membership is checked first (on a stream, on its first message), the
-samples and bytes it claims against bounds; then it is decoded straight onto the stage's device and validated beside
-the event loop, and checked against the stage's blocks on the meta device
-(:class:`~lightning_swarm.block_calls.MetaBlocks`): an input the blocks do not take is the caller's fault, refused
-before it costs any compute, and any input they take is served, so sequence length and batch size may change from
-request to request. It then waits in a bounded queue shared fairly between callers
-(:mod:`~lightning_swarm.server.fair_queue`) for one compute worker thread that owns the stage module on that device. A
-training forward keeps its autograd graph for a while (:mod:`~lightning_swarm.server.kept_activations`), so that the
-backward that follows on this peer needs only the output gradient and computes no forward again. A request runs all
-the stage's blocks in turn, each called with the activation and the side inputs its metadata's ``calls`` lists
-(:mod:`~lightning_swarm.block_calls`; by default none). A backward sent
-with the stage's input instead recomputes the forward from it, so any peer of the stage can serve it (the fallback
-when the first peer died or dropped the graph). Backward hands the parameter gradients to the stage optimizer (which
-accumulates them towards the stage's target batch size) and returns the gradient of the input.
+Serving is split by role, as hivemind's ``moe/server`` splits it:
+
+- this module, the connection handler: requests arrive over hivemind's libp2p RPC or the direct path
+  (:mod:`~lightning_swarm.transport`), both answered by :meth:`StageServer.answer_tensors`. The caller's membership
+  is checked first (on a stream, on its first message), the samples and bytes it claims against bounds; then it is
+  decoded straight onto the stage's device, on a stream of the decoding thread's own, and validated beside the event
+  loop, and checked against the stage's blocks on the meta device (:class:`~lightning_swarm.block_calls.MetaBlocks`):
+  an input the blocks do not take is the caller's fault, refused before it costs any compute, and any input they
+  take is served, so sequence length and batch size may change from request to request. The reply is encoded on
+  that thread's stream too, once the device finished its compute, so that its copy never waits behind the next
+  request's kernels;
+- the task pool (:mod:`~lightning_swarm.server.task_pool`): the accepted requests, in a bounded queue shared fairly
+  between callers, handed over in batches where requests can share a pass;
+- the runtime (:mod:`~lightning_swarm.server.runtime`): the one thread that computes on the device, never waiting
+  for it per request;
+- the backend (:mod:`~lightning_swarm.server.backend`): the stage's blocks, optimizer and kept forwards.
+
 A request that fails validation or computation leaves the stage's parameters and accumulated gradients untouched.
-A malformed request is refused with :class:`~lightning_swarm.errors.SwarmRequestError` (the caller's fault); one that
-runs out of memory is answered "busy" (the caller tries another peer, or waits), once what it held is freed; any other
-failure of a well-formed request is the server's (:class:`~lightning_swarm.errors.StageFailedError`: the caller fails
-over).
-The stage computes in the Trainer's precision (:mod:`~lightning_swarm.precision`); under ``16-mixed`` a backward
-carries the trainer's loss scale (:meth:`StageServer._backward_through` says how it is used).
-The throughput a server publishes is measured on its requests' compute, the device synchronised.
+A malformed request is refused with :class:`~lightning_swarm.errors.SwarmRequestError` (the caller's fault; NaN or
+Inf in a tensor with :class:`~lightning_swarm.errors.NonFiniteInputError`); one that runs out of memory is answered
+"busy" (the caller tries another peer, or waits), once what it held is freed; any other failure of a well-formed
+request is the server's (:class:`~lightning_swarm.errors.StageFailedError`: the caller fails over). The throughput
+a server publishes is measured on its requests' compute on the device.
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import math
 import queue
-import threading
-import time
 from concurrent.futures import Future
-from functools import partial
-from typing import Any, AsyncIterator, Optional, Protocol, Sequence
+from typing import AsyncIterator, Optional, Sequence
 
 import torch
-from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
-from hivemind.utils.performance_ema import PerformanceEMA
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from lightning_swarm import block_calls, compression, device_sync, protocol, security
-from lightning_swarm.block_calls import Call, MetaBlocks
+from lightning_swarm.block_calls import Call
 from lightning_swarm.errors import (
     ActivationsLostError,
     NonFiniteInputError,
@@ -55,15 +49,16 @@ from lightning_swarm.errors import (
     StageFailedError,
     SwarmRequestError,
 )
-from lightning_swarm.events import EventQueue, StageStep
+from lightning_swarm.events import EventQueue
 from lightning_swarm.logs import RateLimit
-from lightning_swarm.precision import activation_dtypes, autocast, parameter_dtype, unscale_
+from lightning_swarm.precision import activation_dtypes
 from lightning_swarm.protocol import stage_uid
 from lightning_swarm.security import AccessPolicy
 from lightning_swarm.server import device_memory
-from lightning_swarm.server.fair_queue import FairQueue
-from lightning_swarm.server.kept_activations import Kept, KeptActivations, counting_saved_bytes, default_max_bytes
-from lightning_swarm.server.out_of_core import OutOfCoreStage, spare_bytes
+from lightning_swarm.server.backend import StageBackend, StageOptimizer
+from lightning_swarm.server.runtime import StageRuntime, out_of_memory, refuse
+from lightning_swarm.server.task_pool import Task, TaskPool
+from lightning_swarm.stage_api import StageService
 
 log = logging.getLogger(__name__)
 
@@ -72,46 +67,7 @@ BUSY_HOLD = 0.25  # seconds a caller answered busy more than once a second waits
 MAX_HELD = 256  # busy answers held at once; beyond, they are sent at once
 
 
-class StageOptimizer(Protocol):
-    """What a stage server asks of its optimizer (:class:`~lightning_swarm.optimizer.SwarmOptimizer` has it)."""
-
-    local_epoch: int
-
-    def step(self, batch_size: int) -> Any: ...
-
-    def zero_grad(self) -> None: ...
-
-    def follow_swarm(self) -> None: ...
-
-    def apply_finished_update(self, wait: bool = False) -> None: ...
-
-    def progress(self) -> dict: ...
-
-    def state_dict(self) -> dict: ...
-
-
-def _blocks_of(module: nn.Module) -> list[nn.Module]:
-    """The blocks a stage module runs in turn."""
-    if isinstance(module, OutOfCoreStage):
-        return list(module._blocks)
-    return list(module) if isinstance(module, nn.Sequential) else [module]
-
-
-def _refuse(future: Future, error: Exception) -> None:
-    """Answer a queued request with ``error``, unless its caller stopped waiting (its handler was cancelled)."""
-    if future.set_running_or_notify_cancel():
-        future.set_exception(error)
-
-
-def _out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` is an allocator running out of memory (the device's, or a backend's without its own type);
-    not this server's own "busy" answer to one."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    return isinstance(error, RuntimeError) and not isinstance(error, StageBusyError) and "out of memory" in str(error)
-
-
-class StageServer(ServicerBase):
+class StageServer(StageService):
     """Serves one stage of one run. Handlers are registered under the run id as namespace.
 
     Args:
@@ -128,7 +84,8 @@ class StageServer(ServicerBase):
         max_queue: requests waiting for the worker; further requests are answered "busy". Shared fairly between
             callers: under contention each keeps an equal share of the places and of the worker's samples.
         max_request_bytes: requests with more tensor bytes are refused before they are decoded.
-        max_request_samples: requests claiming more samples (their first dimension) are refused.
+        max_request_samples: requests claiming more samples (their first dimension) are refused; also the most
+            samples of inference forwards run together in one batch.
         max_activation_bytes: memory for the graphs of training forwards awaiting their backward (what autograd
             saved, and the stage's input and output; past it, the caller holding the most gives up its oldest, and
             their backward recomputes).
@@ -165,42 +122,45 @@ class StageServer(ServicerBase):
     ) -> None:
         if throttle < 1:
             raise ValueError(f"throttle must be at least 1 (a slowdown factor), got {throttle}")
+        self.backend = StageBackend(
+            stage,
+            module,
+            device,
+            optimizer,
+            events,
+            precision,
+            max_activation_bytes,
+            activation_timeout,
+            checkpoint_activations,
+        )
         self.precision = precision
         self.activation_dtypes = activation_dtypes(precision)  # what requests may carry
-        self.dtype = parameter_dtype(precision)
-        wrong = {p.dtype for p in module.parameters() if p.is_floating_point()} - {self.dtype}
-        if wrong:
-            raise ValueError(
-                f"precision={precision!r} needs the stage's parameters in {self.dtype}, found "
-                f"{sorted(map(str, wrong))}: convert the module first (the precision plugin's convert_module)"
-            )
         self.run_id, self.stage, self.uid = run_id, stage, stage_uid(run_id, stage)
-        self.module, self.device, self.optimizer, self.events = module, device, optimizer, events
-        self.idle_period = idle_period
-        self.max_request_bytes, self.checkpoint_activations = max_request_bytes, checkpoint_activations
-        self.max_request_samples = max_request_samples
-        self.blocks = _blocks_of(module)
-        self.meta = MetaBlocks(self.blocks)  # what the blocks take and return, known without computing
-        if max_activation_bytes is None:
-            max_activation_bytes = spare_bytes(module)
-        if max_activation_bytes is None:
-            max_activation_bytes = default_max_bytes(device)
-        self.kept = KeptActivations(max_activation_bytes, activation_timeout)
+        self.module, self.device, self.optimizer = module, device, optimizer
+        self.kept, self.params, self.lock = self.backend.kept, self.backend.params, self.backend.lock
+        self.max_request_bytes, self.max_request_samples = max_request_bytes, max_request_samples
         self._snapshot_path = device_memory.start_recording(device)
-        self.throttle = throttle
         self.policy = policy  # callers off its allow-list, or without the swarm's secret, are refused
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self.throughput = PerformanceEMA(alpha=0.1)
-        self.lock = threading.Lock()  # held by the worker while it computes; others take it to read the state
-        self._tasks = FairQueue(max_queue)
+        self._tasks = TaskPool(max_queue, max_batch_samples=max_request_samples)
         self._busy_lines = RateLimit(BUSY_LOG_PERIOD)  # a line per caller and kind of busy answer each period
         self._busy_at_once = RateLimit(1.0)  # a caller's first busy answer each second is sent at once
-        self._held = 0  # busy answers being held
-        self._queued_samples = 0
-        self.backward_samples = 0  # samples whose gradients reached the stage optimizer
-        self.skipped_samples = 0  # samples whose gradients were not finite (16-mixed overflow): not accumulated
-        self._worker = threading.Thread(target=self._work, name=f"stage{stage}-worker", daemon=True)
-        self._worker.start()
+        self._held = 0  # busy answers being held (counted on the event loop only)
+        self.runtime = StageRuntime(self.backend, self._tasks, self._overloaded, idle_period, throttle)
+
+    @property
+    def throughput(self):
+        """The samples per second the stage computes (an exponential moving average over its requests)."""
+        return self.runtime.throughput
+
+    @property
+    def backward_samples(self) -> int:
+        """Samples whose gradients reached the stage optimizer."""
+        return self.runtime.backward_samples
+
+    @property
+    def skipped_samples(self) -> int:
+        """Samples whose gradients were not finite (a 16-mixed overflow): not accumulated."""
+        return self.runtime.skipped_samples
 
     # ---- RPC handlers -------------------------------------------------------------------------------------------
 
@@ -246,7 +206,7 @@ class StageServer(ServicerBase):
     def info(self) -> dict:
         return dict(
             stage=self.stage,
-            queued_samples=self._queued_samples,
+            queued_samples=self._tasks.queued_samples,
             throughput=self.throughput.samples_per_second if self.throughput.num_updates else 0.0,
             backward_samples=self.backward_samples,
             skipped_samples=self.skipped_samples,
@@ -267,10 +227,10 @@ class StageServer(ServicerBase):
         if protocol.decode_metadata(request.metadata).get("optimizer"):
             if self.optimizer is None:
                 raise SwarmRequestError(f"stage {self.stage} has no optimizer on this peer (it is not training)")
-            optimizer = await asyncio.get_running_loop().run_in_executor(None, self._optimizer_bytes)
+            optimizer = await asyncio.get_running_loop().run_in_executor(None, self.backend.optimizer_bytes)
             state, step = {"optimizer": optimizer}, None
         else:
-            state, step = await asyncio.get_running_loop().run_in_executor(None, self.state_and_step)
+            state, step = await asyncio.get_running_loop().run_in_executor(None, self.backend.state_and_step)
         response = runtime_pb2.ExpertResponse(
             tensors=[compression.serialize(t, "none") for t in state.values()],
             metadata=protocol.encode_metadata({"keys": list(state), "step": step}),
@@ -278,7 +238,7 @@ class StageServer(ServicerBase):
         for part in protocol.stream_response(response):
             yield part
 
-    # ---- validation and compute -----------------------------------------------------------------------------------
+    # ---- validation ---------------------------------------------------------------------------------------------
 
     async def answer(
         self, kind: str, request: runtime_pb2.ExpertRequest, caller: str = "this peer"
@@ -314,13 +274,12 @@ class StageServer(ServicerBase):
             finite = [True] * (expected - 1) + [loss_scale is None]
             train = bool(metadata.get("train", True))
             loop = asyncio.get_running_loop()  # decoding and encoding run beside it, not on it
-            tensors, calls = await loop.run_in_executor(
-                None, self._decode_request, request.tensors, expected, finite, tree, key is None, train
+            task = await loop.run_in_executor(
+                None, self._decode_request, kind, request.tensors, expected, finite, tree, key, loss_scale, train
             )
-            batch = int(tensors[0].shape[0])
-            future = self._submit(kind, tensors, train, batch, caller, key, loss_scale, calls)
-            output = await asyncio.wrap_future(future)
-            encoded = await loop.run_in_executor(None, compression.encode, output, codec)
+            self._submit(caller, task, key)
+            output, done = await asyncio.wrap_future(task.future)
+            encoded = await loop.run_in_executor(None, self._encode, output, done, codec)
         except (ActivationsLostError, NotServingError):
             raise  # expected when the caller's view is stale: no log line
         except StageBusyError as e:
@@ -332,7 +291,7 @@ class StageServer(ServicerBase):
             log.warning("Stage %d refused a %s request from %s: %r", self.stage, kind, caller, e)
             raise
         except Exception as e:
-            if _out_of_memory(e):  # in decoding or encoding (the worker answers busy itself)
+            if out_of_memory(e):  # in decoding or encoding (the worker answers busy itself)
                 raise self._overloaded(kind, repr(e)) from None
             log.warning("Stage %d failed a %s request from %s: %r", self.stage, kind, caller, e)
             raise StageFailedError(f"stage {self.stage} failed a {kind} request: {e!r}") from None
@@ -368,8 +327,8 @@ class StageServer(ServicerBase):
     def _side_inputs_tree(self, metadata: dict) -> Optional[list]:
         """The side inputs of the stage's blocks as a request lists them (None: none)."""
         tree = metadata.get("calls")
-        if tree is not None and not (isinstance(tree, list) and len(tree) == len(self.blocks)):
-            raise SwarmRequestError(f"side inputs for the stage's {len(self.blocks)} blocks expected")
+        if tree is not None and not (isinstance(tree, list) and len(tree) == len(self.backend.blocks)):
+            raise SwarmRequestError(f"side inputs for the stage's {len(self.backend.blocks)} blocks expected")
         return tree
 
     def _check_shapes(self, messages: Sequence[runtime_pb2.Tensor], sides: Sequence[runtime_pb2.Tensor]) -> None:
@@ -397,36 +356,47 @@ class StageServer(ServicerBase):
 
     def _decode_request(
         self,
+        kind: str,
         messages: Sequence[runtime_pb2.Tensor],
         expected: int,
         finite: list[bool],
         tree: Optional[list],
-        has_input: bool,
+        key: Optional[str],
+        loss_scale: Optional[float],
         train: bool,
-    ) -> tuple[list[torch.Tensor], list[Call]]:
-        """The request's activations (and gradient) and its blocks' calls, decoded on the stage's device; an input
-        the blocks do not take (on the meta device) is refused."""
-        tensors = list(map(self._decode, messages[:expected], finite))
-        if tree is None:
-            calls: list[Call] = [((), {})] * len(self.blocks)
-        else:
-            calls = block_calls.unpack(tree, [self._decode_side(m) for m in messages[expected:]], len(tree))
-        if has_input:
+    ) -> Task:
+        """The request as a task: its activations (and gradient) and its blocks' calls, decoded on the stage's device
+        on this thread's stream; an input the blocks do not take (on the meta device) is refused."""
+        with device_sync.side_stream(self.device):
+            tensors = list(map(self._decode, messages[:expected], finite))
+            if tree is None:
+                calls: list[Call] = [((), {})] * len(self.backend.blocks)
+            else:
+                calls = block_calls.unpack(tree, [self._decode_side(m) for m in messages[expected:]], len(tree))
+            ready = device_sync.mark(self.device)
+        if kind == "forward" or key is None:  # a kept forward's backward carries no input
             try:
-                self.meta.activation(0, tensors[0], calls, train)
+                self.backend.meta.activation(0, tensors[0], calls, train)
             except Exception as e:
                 raise SwarmRequestError(
                     f"stage {self.stage}'s blocks do not take an input of shape {list(tensors[0].shape)} with these "
                     f"side inputs: {e!r:.300}"
                 ) from None
-        return tensors, calls
+        batch = int(tensors[0].shape[0])
+        return Task(kind, tensors, train, batch, None, loss_scale, calls, Future(), ready)
+
+    def _encode(self, output: torch.Tensor, done: device_sync.Mark, codec: str) -> compression.WireTensor:
+        """The reply, encoded on this thread's stream once the compute that made it is done."""
+        with device_sync.side_stream(self.device):
+            device_sync.wait_for(done, [output])
+            return compression.encode(output, codec)
 
     def _decode_side(self, message: runtime_pb2.Tensor) -> torch.Tensor:
         """A side input, exactly as sent (any dtype; masks may hold -inf)."""
         try:
             return compression.deserialize(message, device=self.device)
         except Exception as e:
-            if _out_of_memory(e):
+            if out_of_memory(e):
                 raise
             raise SwarmRequestError(f"undecodable side input: {e!r}") from None
 
@@ -451,7 +421,7 @@ class StageServer(ServicerBase):
         try:
             tensor = compression.deserialize(message, device=self.device)
         except Exception as e:
-            if _out_of_memory(e):
+            if out_of_memory(e):
                 raise  # the device is full, the message may be fine: answered busy
             raise SwarmRequestError(f"undecodable tensor: {e!r}") from None
         if tensor.numel() == 0:  # costs no bytes whatever its batch dimension, which would count as samples
@@ -463,100 +433,21 @@ class StageServer(ServicerBase):
             raise NonFiniteInputError("tensor contains NaN or Inf")
         return tensor
 
-    def _submit(
-        self,
-        kind: str,
-        tensors: list[torch.Tensor],
-        train: bool,
-        batch: int,
-        caller: str,
-        key: Optional[str],
-        loss_scale: Optional[float] = None,
-        calls: Optional[list[Call]] = None,
-    ) -> Future:
-        if not self._worker.is_alive():
+    def _submit(self, caller: str, task: Task, key: Optional[str]) -> None:
+        """Queue a decoded request for the runtime (the caller's fair share of the queue kept); ``key``: the kept
+        forward it keeps or uses, the caller's own."""
+        if not self.runtime.is_alive():
             raise StageFailedError(f"stage {self.stage}'s worker is not running")
-        future: Future = Future()
-        caller_key = None if key is None else (caller, key)
-        calls = [((), {})] * len(self.blocks) if calls is None else calls
-        task = (kind, tensors, train, batch, caller_key, loss_scale, calls, future)
+        task.key = None if key is None else (caller, key)
         try:
-            displaced = self._tasks.put(caller, task, batch)
+            displaced = self._tasks.put(caller, task)
         except queue.Full:
             raise self._busy() from None
-        self._queued_samples += batch
         if displaced is not None:  # the newest request of the caller that held the most places
-            self._queued_samples -= displaced[3]
-            _refuse(displaced[-1], StageBusyError(f"stage {self.stage} is busy: other callers need their share"))
-        return future
+            refuse(displaced.future, StageBusyError(f"stage {self.stage} is busy: other callers need their share"))
 
     def _busy(self) -> StageBusyError:
         return StageBusyError(f"stage {self.stage} is busy ({self._tasks.maxsize} requests queued)")
-
-    def _work(self) -> None:
-        while True:
-            try:
-                task = self._tasks.get(timeout=self.idle_period)
-            except queue.Empty:
-                self.kept.expire()
-                self._idle()
-                continue
-            if task is None:
-                return
-            self._serve(*task)
-            del task  # the request's tensors: not held while the worker waits for the next one
-
-    def _serve(
-        self,
-        kind: str,
-        tensors: list[torch.Tensor],
-        train: bool,
-        batch: int,
-        key: Optional[tuple],
-        loss_scale: Optional[float],
-        calls: list[Call],
-        future: Future,
-    ) -> None:
-        """Compute one request on the worker and answer it (its tensors are freed once this returns)."""
-        self._queued_samples -= batch
-        self.kept.expire()
-        if not future.set_running_or_notify_cancel():
-            return
-        start, error = time.perf_counter(), None
-        try:
-            with self.lock:
-                if self.module.training != train:  # a walk over every submodule: not on every request
-                    self.module.train(train)
-                output, accumulate = self._compute(kind, tensors, key, loss_scale, calls)
-            self._synchronize()  # the time below is the compute's, not that of launching its kernels
-        except (SwarmRequestError, ActivationsLostError) as e:
-            future.set_exception(e)
-            return
-        except Exception as e:
-            if not _out_of_memory(e):  # on an input the blocks take (on meta), a failing block is the stage's fault
-                future.set_exception(StageFailedError(f"stage {self.stage} {kind} failed: {e!r}"))
-                return
-            error = repr(e)  # handled below, once the failed call's frames (and the tensors they hold) are gone
-        if error is not None:
-            if key is not None:
-                self.kept.pop(key)  # a forward kept before the failure, or the graph the failed backward used
-            tensors.clear()  # the request's inputs, shared with the handler awaiting the answer
-            future.set_exception(self._overloaded(kind, error))
-            return
-        if self.throttle > 1:
-            time.sleep((self.throttle - 1) * (time.perf_counter() - start))
-        self.throughput.update(batch, interval=time.perf_counter() - start)  # compute only, not the step below
-        if kind == "backward" and not accumulate:
-            self.skipped_samples += batch
-            log.info("Stage %d: gradients not finite under loss scale %s: microbatch skipped", self.stage, loss_scale)
-        self.backward_samples += batch if accumulate else 0
-        future.set_result(output)  # the caller goes on while the stage optimizer takes its turn
-        if accumulate:
-            self._hand_over_gradients(batch)
-
-    def _synchronize(self) -> None:
-        """Wait for the work queued on the stage's device (a GPU runs kernels after they were launched)."""
-        device_sync.synchronize(self.device)
 
     def _overloaded(self, kind: str, error: str) -> StageBusyError:
         """The answer to a request that ran out of memory: busy (callers try another peer or wait), after giving
@@ -575,152 +466,23 @@ class StageServer(ServicerBase):
             torch.cuda.empty_cache()
         return StageBusyError(f"stage {self.stage} is out of memory: try another peer or later")
 
-    def _idle(self) -> None:
-        if self.optimizer is None:
-            return
-        try:
-            with self.lock:
-                self.optimizer.follow_swarm()
-        except Exception as e:  # the next idle period tries again; requests must keep being served
-            log.warning("Stage %d: idle-time work failed: %r", self.stage, e)
-
-    def _compute(
-        self,
-        kind: str,
-        tensors: list[torch.Tensor],
-        key: Optional[tuple[str, str]],
-        loss_scale: Optional[float],
-        calls: list[Call],
-    ) -> tuple[torch.Tensor, bool]:
-        """The request's output, and whether the parameters' ``.grad`` now hold gradients to accumulate."""
-        if kind == "forward":
-            if self.optimizer is not None:
-                self.optimizer.apply_finished_update(wait=False)
-            if key is None:
-                return self._forward(tensors[0], calls), False
-            return self._forward_and_keep(tensors[0], key, calls), False
-        if key is None:
-            return self._backward(*tensors, loss_scale=loss_scale, calls=calls)
-        return self._backward_kept(key, tensors[0], loss_scale)
-
-    @torch.no_grad()
-    def _forward(self, inputs: torch.Tensor, calls: list[Call]) -> torch.Tensor:
-        return self._run(inputs.to(self.device), calls, checkpointed=False)
-
-    def _forward_and_keep(self, inputs: torch.Tensor, key: tuple[str, str], calls: list[Call]) -> torch.Tensor:
-        inputs = inputs.to(self.device).requires_grad_()
-        with torch.enable_grad(), counting_saved_bytes(self.params) as saved:
-            outputs = self._run(inputs, calls)
-        saved.count(inputs)  # the entry holds both, whether the graph saved them or not
-        saved.count(outputs)
-        self.kept.put(key, Kept(inputs, outputs, saved.nbytes, self._params_version(), calls, owner=key[0]))
-        return outputs.detach()
-
-    def _run(self, inputs: torch.Tensor, calls: list[Call], checkpointed: bool = True) -> torch.Tensor:
-        """The stage's blocks with their side inputs, in the Trainer's precision; under checkpointing (if on and
-        ``checkpointed``), block by block, each keeping only its input (its recomputation restores the forward's
-        autocast state). An out-of-core stage recomputes anyway."""
-        with autocast(self.precision, self.device):
-            if isinstance(self.module, OutOfCoreStage):
-                return self.module(inputs, calls)
-            wrap = partial(checkpoint, use_reentrant=False) if checkpointed and self.checkpoint_activations else None
-            return block_calls.run_blocks(self.blocks, inputs, calls, wrap)
-
-    def _params_version(self) -> int:
-        return sum(p._version for p in self.params)
-
-    def _backward_kept(
-        self, key: tuple[str, str], grad_outputs: torch.Tensor, loss_scale: Optional[float]
-    ) -> tuple[torch.Tensor, bool]:
-        kept = self.kept.pop(key)
-        if kept is None:
-            raise ActivationsLostError(f"stage {self.stage} no longer holds this forward's activations")
-        if kept.params_version != self._params_version():
-            # the stage stepped since this forward: autograd refuses a graph whose saved parameters changed; the old
-            # graph is let go before the forward is recomputed
-            inputs, calls, kept = kept.inputs.detach(), kept.calls, None
-            return self._backward(inputs, grad_outputs, loss_scale, calls)
-        return self._backward_through(kept.inputs, kept.outputs, grad_outputs, loss_scale)
-
-    def _backward(
-        self, inputs: torch.Tensor, grad_outputs: torch.Tensor, loss_scale: Optional[float], calls: list[Call]
-    ) -> tuple[torch.Tensor, bool]:
-        inputs = inputs.to(self.device).requires_grad_()
-        with torch.enable_grad():
-            outputs = self._run(inputs, calls)
-        return self._backward_through(inputs, outputs, grad_outputs, loss_scale)
-
-    def _backward_through(
-        self, inputs: torch.Tensor, outputs: torch.Tensor, grad_outputs: torch.Tensor, loss_scale: Optional[float]
-    ) -> tuple[torch.Tensor, bool]:
-        """The input's gradient, and whether the parameters' ``.grad`` were set (to accumulate).
-
-        ``16-mixed``: the trainer's GradScaler scaled the loss, so ``grad_outputs`` arrive multiplied by the
-        ``loss_scale`` the trainer sends. The backward runs on them as they are (the scale is what keeps fp16
-        gradients from underflowing, as in plain training), then the parameter gradients are unscaled here as
-        ``GradScaler.unscale_`` would, so that the stage optimizer steps on true gradients. When a parameter
-        gradient or the input's gradient is not finite (an overflow, here or in a later stage), nothing is
-        accumulated and the input's gradient comes back as NaN: earlier stages skip the microbatch too, and the
-        trainer's GradScaler finds NaN in its own gradients, skips its step and lowers the scale, as one overflow
-        anywhere does in plain training. (Scaling on each server instead would send unscaled fp16 gradients, which
-        underflow on the way.)
-        """
-        if grad_outputs.shape != outputs.shape:
-            raise SwarmRequestError(
-                f"gradient of shape {list(grad_outputs.shape)} does not match the output {list(outputs.shape)}"
-            )
-        # gradients are computed apart and handed over only once all of them exist: a failure leaves no trace
-        grad_outputs = grad_outputs.to(self.device, outputs.dtype)
-        grads = torch.autograd.grad(outputs, [inputs, *self.params], grad_outputs, allow_unused=True)
-        param_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads[1:])]
-        if loss_scale is not None and not (unscale_(param_grads, loss_scale) and torch.isfinite(grads[0]).all()):
-            return torch.full_like(grads[0], math.nan), False
-        for param, grad in zip(self.params, param_grads):
-            param.grad = grad
-        return grads[0], True
-
-    def _hand_over_gradients(self, batch: int) -> None:
-        """After a backward was answered: the stage optimizer accumulates its gradients (and steps)."""
-        if self.optimizer is None:
-            return
-        try:
-            with self.lock:
-                epoch = self.optimizer.local_epoch
-                self.optimizer.step(batch_size=batch)
-                self.optimizer.zero_grad()
-            if self.optimizer.local_epoch > epoch and self.events is not None:
-                self.events.emit(StageStep(self.stage, self.optimizer.local_epoch))
-        except Exception as e:  # the caller has its gradient; the next backward or idle period tries again
-            log.warning("Stage %d: the optimizer failed after a backward: %r", self.stage, e)
-
     def busy(self) -> bool:
         """Whether requests are queued or being computed."""
         return self._tasks.qsize() > 0 or self.lock.locked()
 
-    def _optimizer_bytes(self) -> torch.Tensor:
-        with self.lock:
-            buffer = io.BytesIO()
-            torch.save(self.optimizer.state_dict(), buffer)
-        return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A copy of the stage's current state (stage-local keys), taken between two requests, with the last
         optimizer step in it."""
-        return self.state_and_step()[0]
+        return self.backend.state_and_step()[0]
 
     def state_and_step(self) -> tuple[dict[str, torch.Tensor], Optional[int]]:
-        """:meth:`state_dict`, and the optimizer step (epoch) that state is at (None: no optimizer here)."""
-        with self.lock:
-            if self.optimizer is not None:
-                self.optimizer.apply_finished_update(wait=True)
-            state = {k: t.detach().cpu().clone() for k, t in self.module.state_dict().items()}
-            return state, self.optimizer.local_epoch if self.optimizer is not None else None
+        """The stage's current state and the optimizer step (epoch) that state is at (None: no optimizer here)."""
+        return self.backend.state_and_step()
 
     def shutdown(self) -> None:
-        """Stop the worker; requests still queued are answered with an error."""
-        for *_, future in self._tasks.close():
-            _refuse(future, StageBusyError(f"stage {self.stage} is shutting down"))
-        self._worker.join(timeout=30)
-
+        """Stop the runtime; requests still queued are answered with an error."""
+        for task in self._tasks.close():
+            refuse(task.future, StageBusyError(f"stage {self.stage} is shutting down"))
+        self.runtime.join(timeout=30)
         self.kept.clear()
         device_memory.dump(self._snapshot_path)

@@ -23,6 +23,7 @@ from lightning_swarm import compression, protocol
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.protocol import stage_uid
 from lightning_swarm.server.stage_server import StageServer
+from lightning_swarm.stage_api import StageService
 
 TIMEOUT = 20.0
 NONE_META = {"codec": "none", "train": True}
@@ -76,14 +77,14 @@ class RawClient:
 
     def raw_unary(self, method: str, data: bytes) -> bytes:
         """Send bytes that are not a protobuf message to a unary handler."""
-        name = f"{self.run_id}::StageServer.rpc_{method}"
+        name = StageService._get_handle_name(self.run_id, f"rpc_{method}")
         return self.node.run(
             asyncio.wait_for(self.node.p2p._client.call_unary_handler(self.peer_id, name, data), TIMEOUT), TIMEOUT + 5
         )
 
     def raw_stream(self, method: str, data: bytes) -> bytes:
         """Open a stream handler, send ``data`` framed as one message, and read until the server closes it."""
-        name = f"{self.run_id}::StageServer.rpc_{method}"
+        name = StageService._get_handle_name(self.run_id, f"rpc_{method}")
 
         async def go() -> bytes:
             _, reader, writer = await self.node.p2p.call_binary_stream_handler(self.peer_id, name)

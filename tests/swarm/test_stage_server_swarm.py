@@ -119,10 +119,11 @@ def test_bad_requests_are_refused_and_leave_the_stage_untouched(swarm):
         # NaN / Inf
         nan, inf = x.clone(), x.clone()
         nan[1, 2, 3], inf[0, 0, 0] = float("nan"), float("inf")
-        refused(lambda: client.call("forward", [wire(nan)]), "NaN or Inf")
-        refused(lambda: client.call("backward", [wire(nan), wire(x)]), "NaN or Inf")
-        refused(lambda: client.call("backward", [wire(x), wire(nan)]), "NaN or Inf")
-        refused(lambda: client.call("backward", [wire(x), wire(inf)]), "NaN or Inf")
+        non_finite = {"remote": "NonFiniteInputError"}  # a SwarmRequestError the caller may pin on whom it relayed
+        refused(lambda: client.call("forward", [wire(nan)]), "NaN or Inf", **non_finite)
+        refused(lambda: client.call("backward", [wire(nan), wire(x)]), "NaN or Inf", **non_finite)
+        refused(lambda: client.call("backward", [wire(x), wire(nan)]), "NaN or Inf", **non_finite)
+        refused(lambda: client.call("backward", [wire(x), wire(inf)]), "NaN or Inf", **non_finite)
 
         # a tensor whose buffer does not match its declared shape
         short = wire(x)

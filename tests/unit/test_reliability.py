@@ -154,7 +154,7 @@ def test_server_faults_fail_over_and_only_the_callers_faults_raise():
     expected = healthy.module(x).detach()
     try:
         for name, server in faulty.items():
-            if isinstance(server, StageServer) and server._worker.is_alive():
+            if isinstance(server, StageServer) and server.runtime.is_alive():
                 asyncio.run(ask_server(server, x))  # the faulty module's first call is its last good one
             router = InProcessRouter({"faulty": server, "healthy": healthy}, first="faulty", stage_wait_timeout=30.0)
             pipeline = RemotePipeline(router, codec="none", microbatches=1)

@@ -110,16 +110,16 @@ def test_side_inputs_travel_per_block_and_the_results_equal_local_training(micro
         loss.backward()
         torch.testing.assert_close(remote_loss, loss, rtol=0, atol=1e-6)
         torch.testing.assert_close(x_remote.grad, x.grad, rtol=0, atol=1e-6)
-        local = [p.grad for p in model.inner.layers.parameters()]
-        served = [grad for server in servers for grad in server.optimizer.grads()]
-        assert len(local) == len(served)
-        for a, b in zip(local, served):
-            torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
         stats = servers[0].info()  # every forward kept its graph and was consumed by its backward
         assert stats["kept_forwards"] == 0 and stats["backward_samples"] > 0
     finally:
         for server in servers:
-            server.shutdown()
+            server.shutdown()  # joins the worker: the hand-over that follows the last backward's answer is done
+    local = [p.grad for p in model.inner.layers.parameters()]
+    served = [grad for server in servers for grad in server.optimizer.grads()]
+    assert len(local) == len(served)
+    for a, b in zip(local, served):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
 
 
 def test_shapes_change_between_batches_and_the_replies_are_checked_against_the_meta_device():

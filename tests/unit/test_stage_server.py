@@ -85,7 +85,7 @@ def test_an_outsiders_stream_is_refused_on_its_first_message(tmp_path):
                 )
 
         async def answer() -> list:
-            context = P2PContext("run::StageServer.rpc_forward_stream", server_id, caller)
+            context = P2PContext("run::StageService.rpc_forward_stream", server_id, caller)
             return [r async for r in server.rpc_forward_stream(requests(), context)]
 
         return answer()
@@ -195,7 +195,7 @@ def test_a_caller_refused_again_within_a_second_waits_for_its_busy_answer():
     server = StageServer("run", 0, blocks(), CPU, max_queue=1)
     now = [0.0]
     server._busy_at_once = RateLimit(1.0, clock=lambda: now[0])
-    server.lock = lock = WatchedLock()
+    server.backend.lock = server.lock = lock = WatchedLock()
     request = evaluation_forward(server)
 
     async def held(caller: str) -> bool:
