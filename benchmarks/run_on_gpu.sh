@@ -37,7 +37,7 @@ set -uo pipefail
 if [[ ${1:-} == --fetch-test-wheels ]]; then  # here, with the registries: what the GPU tests need beyond the benchmarks
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-    pytest pluggy iniconfig pygments packaging psutil
+    pytest pluggy iniconfig pygments psutil  # packaging: lightning brings it
   exit
 fi
 out=${1:?usage: bash benchmarks/run_on_gpu.sh OUT_DIR}

@@ -235,7 +235,14 @@ def test_gpu_harness_stops_peers_on_sigterm(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_gpu_report(cpu_run, timed_out_run, tmp_path):
+def merge_into(out, files: list[str], monkeypatch) -> None:
+    """``gpu.py --out out --merge files``, in this process (the command line's code, without a process start)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(sys, "argv", ["gpu.py", "--out", str(out), "--merge", *files])
+        gpu.main()
+
+
+def test_gpu_report(cpu_run, timed_out_run, tmp_path, monkeypatch):
     """Merging the results of separate commands, here the measured runs of the tests above: a run replaces the
     earlier one of its configuration (the timed-out swarm replaces the finished one, and the other way round), the
     swarm / plain ratio is that of the merged runs' own figures, a failed configuration is reported beside them, and
@@ -252,8 +259,7 @@ def test_gpu_report(cpu_run, timed_out_run, tmp_path):
         out = tmp_path / "-".join(order) / "RESULTS.md"
         out.parent.mkdir()
         merge = [str(tmp_path / f"{name}.json") for name in [*order, "failed"]]
-        command = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--out", str(out), "--merge", *merge]
-        subprocess.run(command, check=True, timeout=120)
+        merge_into(out, merge, monkeypatch)
         merged = runs_of(out.parent)
         assert len(merged) == 3 and plain in merged, merged  # one run per configuration
         (kept,) = [r for r in merged if r["microbatches"] == 2]
@@ -282,8 +288,7 @@ def test_gpu_report(cpu_run, timed_out_run, tmp_path):
     (tmp_path / "gpu.json").write_text(json.dumps({"runs": on_gpu}))
     out = tmp_path / "gpu" / "RESULTS.md"
     out.parent.mkdir()
-    command = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--out", str(out), "--merge"]
-    subprocess.run([*command, str(tmp_path / "gpu.json")], check=True, timeout=120)
+    merge_into(out, [str(tmp_path / "gpu.json")], monkeypatch)
     share = max(reserved["stage 0"], reserved["stage 1"]) / reserved["plain"]
     cells = [f"{reserved[n] // 2**20} (1024) / {7168 if n != 'plain' else 11264}" for n in reserved]
     assert f"| {' | '.join(cells)} | {share:.2f} | 30720 |" in out.read_text(), out.read_text()
