@@ -142,9 +142,9 @@ step gpu "$gpu_limit" python3 benchmarks/gpu.py --out "$out/RESULTS.md" --d-mode
   --precision 32-true bf16-mixed --updates synchronous --targets batch 128 --microbatches 4 8 auto \
   --budget $((gpu_limit - 20)) --timeout 120
 
-step stage_memory "${LIMIT[stage_memory]}" bash -c 'for precision in 32-true bf16-mixed; do
+step stage_memory "${LIMIT[stage_memory]}" bash -c 'rc=0; for precision in 32-true bf16-mixed; do
   python3 benchmarks/stage_memory.py --d-model 2048 --precision $precision --batches 20 --step-every 16 \
-    --out "$0/stage_memory_$precision.json" || exit; done' "$out"
+    --out "$0/stage_memory_$precision.json" || rc=$?; done; exit $rc' "$out"
 
 step out_of_core "${LIMIT[out_of_core]}" python3 benchmarks/out_of_core.py --out "$out/RESULTS.md" \
   --d-model 2048 --blocks 12 --warmup 2 --batches 6 --step-every 2
