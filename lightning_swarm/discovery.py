@@ -21,6 +21,7 @@ from lightning_swarm.periodic import PeriodicThread
 
 log = logging.getLogger(__name__)
 ADDRESSES_TTL = 60.0  # seconds a peer's published multiaddrs last (refreshed by its announcer)
+DIAL_TIMEOUT = 5.0  # seconds a peer behind NAT tries to dial another (a peer gone keeps its record a while)
 
 
 class PeerState(IntEnum):
@@ -294,7 +295,7 @@ class SwarmWatcher(PeriodicThread):
         """Open a connection to every peer of the swarm that may call this one (which is behind NAT)."""
         try:
             addresses = fetch_addresses(self.node, self.run_id)
-            failed = self.node.dial({peer: addresses.get(peer, []) for peer in peers})
+            failed = self.node.dial({peer: addresses.get(peer, []) for peer in peers}, timeout=DIAL_TIMEOUT)
         except Exception as e:  # dialing is retried next period
             log.warning("Could not dial the swarm's peers: %r", e)
             return

@@ -201,7 +201,8 @@ class SwarmNode:
         behind NAT can be called only by the peers it dialed (libp2p carries their calls back over that
         connection), so such a peer dials those that may call it. Returns the peers that could not be dialed."""
         others = {peer: maddrs for peer, maddrs in peers.items() if peer != str(self.peer_id)}
-        return self.run(_dial(self.p2p, others, timeout or self.timeout))
+        timeout = timeout or self.timeout  # each dial's; they run at once, after listing the connected peers
+        return self.run(_dial(self.p2p, others, timeout), timeout=2 * timeout)
 
     def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
         """Run a coroutine on the RPC event loop from synchronous code and wait for it, with a timeout."""
