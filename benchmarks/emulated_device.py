@@ -11,10 +11,11 @@ lock (a thread lock and ``flock``). Clocks are ``time.monotonic()``, one clock f
   cannot finish before the launch does.
 - Each process has a compute stream, and each thread that asks for one (``device_sync.side_stream``: a stage
   server's decoding and encoding) a side stream of its own. An asynchronous copy (:meth:`EmulatedDevice.copy_async`)
-  occupies its stream, not the device, and later kernels of that stream start after it. A side stream's kernel does
-  not wait for the work other streams enqueued before it: it runs as soon as its stream allows, between their
-  kernels, delaying them by its duration (:meth:`Timeline.enqueue`). Marks (``device_sync.mark``) are the time
-  their stream reaches them; a stream made to wait for one starts its next work after it.
+  occupies its stream, not the device, and later kernels of that stream start after it. Kernels of every stream
+  still run in the order launched (a side stream's small kernel waits for the kernels queued before it, where a GPU
+  may slip it in between them: the emulation errs on the slow side); a sync of a side stream waits only for its
+  own work. Marks (``device_sync.mark``) are the time their stream reaches them; a stream made to wait for one
+  starts its next work after it.
 - A stream sync (:meth:`EmulatedDevice.synchronize`) sleeps, releasing the GIL, until the current stream's last
   enqueued work is done (the last 0.15 ms yielding instead of sleeping, so that its wake-up is not late by the
   kernel's timer slack); a device sync waits for all the process's streams. A blocking copy (pageable memory) or
@@ -26,14 +27,15 @@ Where the real code waits on a device, the emulation is put in its place (:func:
 the finiteness check of a decoded tensor, the device-to-host copy of an encoded one into pinned memory, a whole-device
 synchronize); the codec's kernels (8-bit quantize on
 encoding, and dequantize when decoding onto the device, after the host copy into a staging buffer and an
-asynchronous host-to-device copy); and hivemind's optimizer: gradient accumulation on the device, the step's copies
-of the whole gradient into shared host memory and back and its scaling on one host thread (emulated waits, for the
-parameter count of the real model, ``EmulatedDevice.optimizer_numel``), the optimizer's own step kernel and the
-accumulators' reset. The pipeline's blocks are :class:`EmulatedBlock`: their parameters are one element each (the
-real block's names, their real sizes in ``emulated_numel``), a call launches one kernel of the calibrated time for
-its samples and returns a real tensor of the real size without computing it. The trainer's local modules
-(:class:`EmulatedEmbedding`, :class:`EmulatedHead`) are emulated the same way; the pipeline's output and input
-gradient reach them decoded on the device.
+asynchronous host-to-device copy); and the stage optimizer: gradient accumulation on the device; alone (or after
+a failed round) the gradient's copy and scaling on the device, with a round (or delayed updates) hivemind's copies of
+the whole gradient into shared host memory and back and its scaling on one host thread (emulated waits, for the
+parameter count of the real model, ``EmulatedDevice.optimizer_numel``); the optimizer's own step kernel and the
+accumulators' reset (:func:`_install_optimizer`). The pipeline's blocks are :class:`EmulatedBlock`: their parameters
+are one element each (the real block's names, their real sizes in ``emulated_numel``), a call launches one kernel of
+the calibrated time for its samples and returns a real tensor of the real size without computing it. The trainer's
+local modules (:class:`EmulatedEmbedding`, :class:`EmulatedHead`) are emulated the same way; the pipeline's output and
+input gradient reach them decoded on the device.
 
 Everything else is today's code, run for real: routing, transport, codec framing and host-side decoding, kept
 activations, the fair queue, hivemind's optimizer logic. :func:`instrument` adds records of what the swarm does
@@ -187,17 +189,12 @@ class Timeline:
         key: int = 0,
         value: float = 0.0,
         extra: int = 0,
-        beside: bool = False,
     ) -> float:
         """Put a kernel of ``seconds`` on the device, starting at ``earliest`` at the soonest and after ``after``
-        (its stream's last work) and after everything enqueued before it; returns when it ends (the lock held).
-        ``beside``: a kernel of a side stream, which need not wait for the work enqueued before it on other streams:
-        it runs at once, between their kernels, and the device's queued work ends ``seconds`` later (the kernels
-        already enqueued keep the ends they were given: a small error, for the small kernels of side streams)."""
-        busy = float(self._busy[0])
-        start = max(earliest, after) if beside else max(earliest, busy, after)
+        (its stream's last work) and after everything enqueued before it; returns when it ends (the lock held)."""
+        start = max(earliest, float(self._busy[0]), after)
         end = start + seconds
-        self._busy[0] = busy + seconds if beside and busy > start else max(busy, end)
+        self._busy[0] = end
         self.append(start, end, proc, kind, key, 0, value, extra)
         return end
 
@@ -237,11 +234,10 @@ class EmulatedDevice:
         launch = self.cal.kernel_launch if launch is None else launch
         seconds = max(seconds, self.cal.kernel_min)
         now = time.monotonic()
-        beside = getattr(self._local, "stream", None) is not None
         with self.timeline.locked():
             # launched over [now, now + launch]: the kernel cannot end before its launch does
             self.tail = self.timeline.enqueue(
-                seconds, now + max(0.0, launch - seconds), self.tail, self.proc, kind, key, launch, extra, beside
+                seconds, now + max(0.0, launch - seconds), self.tail, self.proc, kind, key, launch, extra
             )
         _spin(launch)
 
@@ -311,7 +307,7 @@ class EmulatedDevice:
 
     @contextlib.contextmanager
     def side_stream(self, device: torch.device) -> Iterator[None]:
-        """The current thread's own stream: its kernels run beside the compute stream's (Timeline.enqueue)."""
+        """The current thread's own stream, with a tail of its own."""
         before = getattr(self._local, "stream", None)
         self._local.stream = threading.get_ident()
         try:
@@ -553,14 +549,23 @@ def install(device: EmulatedDevice) -> None:
 
 
 def _install_optimizer(device: EmulatedDevice) -> None:
-    """hivemind's optimizer on the device: per backward, accumulation into the gradient accumulators; per step, the
-    accumulators copied into shared host memory and scaled on one thread, then either (synchronous updates) copied
-    back and the optimizer's step kernel, or (delayed updates: the optimizer offloaded to the host) its AdamW step on
-    one host thread in hivemind's background thread and the new parameters copied back to the device when applied;
-    the accumulators zeroed. Sizes: the real model's parameters (``device.optimizer_numel``), fp32."""
+    """The stage optimizer on the device: per backward, accumulation into the gradient accumulators; per step:
+
+    - synchronous updates, no round (one peer, or a failed round): the accumulators copied into ``.grad`` and scaled
+      there, on the device (``SwarmOptimizer._load_local_gradients_into_optimizer``: a copy and an in-place multiply
+      per parameter, each reading and writing 4 bytes per element), then the optimizer's step kernel;
+    - synchronous updates, a round: hivemind's path, the accumulators copied into shared host memory (pageable) and
+      scaled on one thread, averaged, copied back, then the step kernel;
+    - delayed updates (the optimizer offloaded to the host): the accumulators copied into shared host memory and
+      scaled on one thread, the AdamW step on one host thread in hivemind's background thread, the new parameters
+      copied back to the device when applied;
+
+    then the accumulators zeroed. Sizes: the real model's parameters (``device.optimizer_numel``), fp32."""
     from hivemind.optim.grad_averager import GradientAverager
     from hivemind.optim.optimizer import Optimizer
     from hivemind.optim.state_averager import TrainingStateAverager
+
+    from lightning_swarm.optimizer import SwarmOptimizer
 
     cal = device.cal
     accumulate, load, reset = (
@@ -569,6 +574,7 @@ def _install_optimizer(device: EmulatedDevice) -> None:
         GradientAverager.reset_accumulated_grads_,
     )
     into_optimizer, state_init = Optimizer._load_averaged_gradients_into_optimizer_, TrainingStateAverager.__init__
+    local_into_optimizer = SwarmOptimizer._load_local_gradients_into_optimizer
     apply_parameters = TrainingStateAverager._apply_optimizer_parameters_
 
     def accumulate_grads_(self, batch_size: int) -> None:
@@ -589,6 +595,12 @@ def _install_optimizer(device: EmulatedDevice) -> None:
             device.pageable_copy(4 * device.optimizer_numel, HOST_H2D)
         into_optimizer(self)
 
+    def load_local_into_optimizer(self) -> None:
+        local_into_optimizer(self)
+        if not self.offload_optimizer:  # delayed updates go through load_accumulators_into_averager_ (charged there)
+            tensors = len(self.grad_averager.parameters)
+            device.memory_kernel(16 * device.optimizer_numel, OPTIMIZER, launches=2 * tensors)
+
     def init(self, *args: Any, **kwargs: Any) -> None:
         state_init(self, *args, **kwargs)
         if not self.offload_optimizer:  # AdamW's foreach step: parameters, gradients and two moments, 28 bytes each
@@ -608,6 +620,7 @@ def _install_optimizer(device: EmulatedDevice) -> None:
     GradientAverager.load_accumulators_into_averager_ = load_accumulators_into_averager_
     GradientAverager.reset_accumulated_grads_ = reset_accumulated_grads_
     Optimizer._load_averaged_gradients_into_optimizer_ = load_into_optimizer
+    SwarmOptimizer._load_local_gradients_into_optimizer = load_local_into_optimizer
     TrainingStateAverager.__init__ = init
     TrainingStateAverager._apply_optimizer_parameters_ = apply_optimizer_parameters_
 

@@ -11,6 +11,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 from helpers import ROOT
 
 sys.path.append(str(ROOT / "benchmarks"))  # after everything else: its scripts shadow nothing
@@ -48,6 +49,29 @@ def test_a_sync_waits_until_the_work_enqueued_is_done(tmp_path):
     dev.kernel(0.01, emu.CODEC, launch=0.0)
     copy, kernel = dev.timeline.records()[-2:]
     assert copy["kind"] == emu.COPY and kernel["t0"] >= copy["t1"] - 1e-9
+
+
+def test_a_side_stream_is_ordered_by_marks_and_waits_for_its_own_work(tmp_path):
+    """A stage server's reply copy on its side stream: after the mark of its request's compute, not behind the next
+    request's kernels queued on the compute stream since; a mark's time is when its stream reaches it."""
+    dev, cpu = device(tmp_path), torch.device("cpu")
+    dev.kernel(0.2, emu.BLOCK_FORWARD, launch=0.0)
+    done = dev.mark(cpu)
+    dev.kernel(1.0, emu.BLOCK_FORWARD, launch=0.0)  # the next request, queued at once
+    first, second = dev.timeline.records()[:2]
+    assert done.event == pytest.approx(first["t1"])
+    with dev.side_stream(cpu):
+        assert dev.tail == 0.0  # a stream of its own
+        dev.wait_for(done)
+        dev.copy_async(25_000_000)  # 1 ms on the side stream
+        dev.synchronize()
+        side = dev.tail
+    assert side == pytest.approx(first["t1"] + 1e-3 + dev.cal.copy_latency) and side < second["t1"]
+    assert dev.tail == second["t1"]  # the compute stream's work is its own
+    start = dev.mark(cpu)
+    assert dev.seconds_between(start, dev.mark(cpu)) is None  # the device has not reached it yet
+    dev.synchronize(every_stream=True)
+    assert dev.seconds_between(done, start) == pytest.approx(second["t1"] - first["t1"])
 
 
 PROCESS = textwrap.dedent(
