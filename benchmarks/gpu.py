@@ -60,7 +60,16 @@ from typing import Any, Optional, Union
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from harness import ONE_THREAD, STAGES, SWARM, model_args, plain, script_parser, steady_throughput  # noqa: E402
+from harness import (  # noqa: E402
+    ONE_THREAD,
+    STAGES,
+    SWARM,
+    model_args,
+    peak_rss,
+    plain,
+    script_parser,
+    steady_throughput,
+)
 from report import RESULTS, table, update_section  # noqa: E402
 
 from lightning_swarm.launch import LocalSwarm  # noqa: E402
@@ -124,17 +133,6 @@ def process_memory(directory: Path, poller: GpuMemoryPoller) -> dict:
     memory.update({f"pid {pid}": {"nvidia_smi": size} for pid, size in poller.peaks.items()})
     memory["total"] = {"nvidia_smi": poller.total or None}
     return memory
-
-
-def peak_rss(pid: int) -> Optional[int]:
-    """A process's peak resident memory in bytes (Linux: VmHWM), or None once it exited: a zombie has no memory
-    figures left, a reaped process no entry in /proc."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    found = re.search(r"VmHWM:\s+(\d+) kB", status)
-    return int(found.group(1)) * 1024 if found else None
 
 
 def out_of_memory(logs: dict[str, str]) -> list[str]:

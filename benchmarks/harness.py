@@ -98,10 +98,15 @@ def swarm(args: list[str], work: Path, run_id: str, delayed: bool, microbatches:
     return {**history, "stage_peak_rss": peaks}
 
 
-def peak_rss(pid: int) -> int:
-    """A live process's peak resident memory in bytes (Linux: VmHWM)."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+def peak_rss(pid: int) -> Optional[int]:
+    """A process's peak resident memory in bytes (Linux: VmHWM), or None once it exited: a zombie has no memory
+    figures left, a reaped process no entry in /proc."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    found = re.search(r"VmHWM:\s+(\d+) kB", status)
+    return int(found.group(1)) * 1024 if found else None
 
 
 def script_parser(doc: str, smoke: str) -> argparse.ArgumentParser:
