@@ -95,8 +95,10 @@ def addresses_key(run_id: str) -> str:
 
 
 def publish_addresses(node: SwarmNode, run_id: str, ttl: float) -> None:
-    """Store this peer's multiaddrs (without their ``/p2p/<id>`` part: the subkey is the id) for ``ttl`` seconds."""
+    """Store this peer's multiaddrs (without their ``/p2p/<id>`` part: the subkey is the id) for ``ttl`` seconds;
+    loopback ones only if it has no other (a peer on another machine would dial itself there)."""
     maddrs = [maddr.split("/p2p/", 1)[0] for maddr in node.visible_maddrs()]
+    maddrs = [m for m in maddrs if not m.startswith(("/ip4/127.", "/ip6/::1/"))] or maddrs
     node.dht_store(addresses_key(run_id), str(node.peer_id), maddrs, ttl)
 
 
