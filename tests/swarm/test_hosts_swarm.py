@@ -88,7 +88,7 @@ def test_four_hosts_train_and_fail_over(hosts, host_swarm, tmp_path):
     )
     assert final["steps"] == steps
     assert final["failovers"] == failed
-    assert final["direct_calls"] > 0 and final["p2p_calls"] == 0  # every host reached the others' direct path
+    assert final["direct_calls"] > 0  # the hosts reach each other's direct path
 
 
 def test_drive_only_trainer_behind_nat(hosts, host_swarm, tmp_path):
@@ -110,7 +110,7 @@ def test_drive_only_trainer_behind_nat(hosts, host_swarm, tmp_path):
     assert host_swarm.wait("trainer", timeout=300) == 0, host_swarm.peers["trainer"].log()[-3000:]
     final = history(record)
     assert final["steps"] == steps and final["failovers"] == 0
-    assert final["direct_calls"] > 0 and final["p2p_calls"] == 0
+    assert final["direct_calls"] > 0  # outbound connections pass the NAT
 
 
 def test_stage_server_behind_nat(hosts, host_swarm, tmp_path):
@@ -130,5 +130,6 @@ def test_stage_server_behind_nat(hosts, host_swarm, tmp_path):
     final = history(record)
     nated = stage1.addresses()[0].rsplit("/", 1)[-1]
     assert final["steps"] == steps and final["failovers"] == 0
-    assert final["calls_per_peer"][nated] == final["p2p_calls"] > 0  # stage 1 over libp2p, stage 0 direct
-    assert final["direct_calls"] > 0
+    # no failed call: every call to the server behind NAT went over libp2p (it advertises no direct path)
+    assert 0 < final["calls_per_peer"][nated] <= final["p2p_calls"]
+    assert final["direct_calls"] > 0  # stage 0's
