@@ -62,12 +62,17 @@ class _HivemindNoise(logging.Filter):
       "Unhandled exception in client_connected_cb" (``cannot reuse already awaited coroutine``): dropped;
     - when an averager process stops, asyncio reports its matchmaking tasks as "destroyed but pending" (and, at
       interpreter exit, the tasks of any background loop), and hivemind the ``GeneratorExit`` of cancelling them:
-      dropped.
+      dropped;
+    - matchmaking's "Another look_for_group is already in progress" (INFO: a round asked for while the last one
+      still assembles waits for it) and an all-reduce's "Reducer: received 50.0% of input tensors" (a warning: a
+      partner left the round, which then counts as failed): each demoted to one DEBUG line.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         message = record.getMessage()
+        if message.startswith(("Another look_for_group is already in progress", "Reducer: received")):
+            return _to_line(record, message, logging.DEBUG)
         if error is not None and "could not find a group" in str(error):
             return _to_info_line(record, f"All-reduce round: {error}")
         if isinstance(error, asyncio.CancelledError) and record.name == "hivemind.averaging.averager":
@@ -89,13 +94,20 @@ class _HivemindNoise(logging.Filter):
 
 def _to_info_line(record: logging.LogRecord, message: str) -> bool:
     """Make ``record`` one INFO line saying ``message``, without a traceback; whether its logger shows INFO."""
-    record.levelno, record.levelname = logging.INFO, "INFO"
+    return _to_line(record, message, logging.INFO)
+
+
+def _to_line(record: logging.LogRecord, message: str, level: int) -> bool:
+    """Make ``record`` one line at ``level`` saying ``message``, without a traceback; whether its logger shows it."""
+    record.levelno, record.levelname = level, logging.getLevelName(level)
     record.msg, record.args, record.exc_info, record.exc_text = message, (), None, None
-    return logging.getLogger(record.name).isEnabledFor(logging.INFO)
+    return logging.getLogger(record.name).isEnabledFor(level)
 
 
 HIVEMIND_NOISE_LOGGERS = (
     "hivemind.averaging.averager",
+    "hivemind.averaging.matchmaking",
+    "hivemind.averaging.partition",
     "hivemind.optim.optimizer",
     "hivemind.p2p.p2p_daemon",
     "hivemind.utils.asyncio",

@@ -146,6 +146,11 @@ class CountingProgressTracker(ProgressTracker):
         partners = [e for e in self._records if (e.epoch == mine and e.samples_accumulated) or e.epoch == mine + 1]
         return 1 + len(partners)
 
+    def peers_at_epoch(self) -> int:
+        """The peers at this one's epoch, or one ahead, with samples or not, itself included (as last fetched)."""
+        mine = self.local_progress.epoch
+        return 1 + sum(1 for e in self._records if e.epoch in (mine, mine + 1))
+
     @property
     def ready_to_update_epoch(self) -> bool:
         # hivemind adds this peer's new samples to the global count without the lock its fetcher holds, so a fetch
@@ -282,7 +287,7 @@ class ConsistentStateAverager(_StartsByFork, TrainingStateAverager, _NotesDownlo
             return super().get_current_state()
 
 
-NEVER = 2**62  # an ``average_state_every`` that no epoch reaches
+STATE_EVERY = 10  # synchronous steps: parameters are averaged at least this often (hivemind: after every step)
 
 PACE_STEPS = 3  # consecutive steps closer together than a round needs, before the warning
 
@@ -377,6 +382,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._expected_group = self.tracker.global_progress.num_peers = self.tracker.group_size()
         if self._expected_group > 1:
             self.grad_averager.expect_group(self._expected_group)
+            if not self.delay_optimizer_step:  # for a parameter round after this step, if there is one
+                self.state_averager.expect_group(self._expected_group)
         began = super()._begin_averaging_gradients(grad_scaler)
         # alone, hivemind loads the accumulated gradients into its host buffers only, and a synchronous step then
         # used the last backward's .grad; "began" sends them through _load_local_gradients_into_optimizer instead
@@ -402,15 +409,16 @@ class SwarmOptimizer(hivemind.Optimizer):
     def _update_global_epoch(self, grad_scaler: Any) -> None:
         if self.delay_optimizer_step:
             self._finish_background_step()  # hivemind waits for it first too: here that wait is timed
-        else:  # hivemind averages the parameters after every step; needed only after a round without every partner
-            self.average_state_every = NEVER  # set back to 1 by a round that missed a partner
+        else:  # hivemind averages the parameters after every step; needed only after a round without every partner,
+            # and, as a safety net for peers apart since an earlier one, every STATE_EVERY steps
+            self.average_state_every = STATE_EVERY  # 1 after a round that missed a partner
             self.state_averager.last_round = None
         super()._update_global_epoch(grad_scaler)
-        if self.average_state_every == 1 and not self.delay_optimizer_step:
+        averaged = self.state_averager.last_round
+        if averaged is not None and not self.delay_optimizer_step:
             # parameters are equal again only if every partner came to that averaging round; if not, this peer takes
             # a partner's state at its next step (or idle moment)
-            averaged = self.state_averager.last_round
-            complete = averaged is not None and averaged.done() and not averaged.cancelled()
+            complete = averaged.done() and not averaged.cancelled()
             complete = complete and averaged.exception() is None and len(averaged.result()) >= self._expected_group
             self._out_of_sync = not complete
         self.steps += 1
@@ -422,6 +430,11 @@ class SwarmOptimizer(hivemind.Optimizer):
         control = maybe_step_control
         if control is None:  # no round: hivemind steps on this peer's gradients
             super()._average_gradients_and_load_into_optimizer(control)
+            if not self.delay_optimizer_step and self.tracker.peers_at_epoch() > 1:
+                # peers at this epoch had no samples when last seen; any that stepped too (peers starting together
+                # see nobody) would keep their parameters apart from this one's for good
+                self._expected_group = self.tracker.peers_at_epoch()
+                self._average_state_with_partners()
             return
         triggered = time.monotonic()
         assembled = self.grad_averager.assembles(control)
@@ -447,6 +460,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         """Average the parameters (and optimizer state) after this step, in a round that begins once the partners of
         the gradient round have joined."""
         self.average_state_every = 1
+        progress = self.tracker.global_progress
+        progress.num_peers = max(progress.num_peers, self._expected_group)  # hivemind averages only if above one
         if not self.delay_optimizer_step:
             self.state_averager.expect_group(self._expected_group)
 

@@ -244,3 +244,14 @@ def test_transport_smoke(tmp_path):
         speed = {r["transport"]: r["mb_s"] for r in rows if r["bytes"] == size}
         cells = [f"{speed[t]:.1f} ({speed[t] / speed['asyncio TCP']:.2f})" for t in TRANSPORTS]
         assert f"| {label} | {' | '.join(cells)} |" in text, (cells, text)
+
+
+def test_rounds_smoke(tmp_path):
+    """Two peers of a stage, nobody leaving: their gradient rounds assemble (at most one of the 16 fails, on a loaded
+    machine), parameters are averaged only after a round that missed a partner (hivemind averages them after every
+    step), and both end with equal parameters."""
+    smoke(tmp_path, "rounds", timeout=300)
+    (row,) = json.loads((tmp_path / "results" / "rounds.json").read_text())
+    assert row["rounds"] >= 2 * row["steps"] - 2 and row["failed"] <= 1, row
+    assert row["state_rounds"] <= 2 * row["failed"], row
+    assert row["equal"], row

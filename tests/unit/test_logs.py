@@ -97,3 +97,31 @@ def test_package_lines_carry_a_timestamp_and_repeated_lines_are_rate_limited():
     assert re.search(r"^\w{3} [ \d]\d \d\d:\d\d:\d\d\.\d{3} \[.*WARN.*\].* hello$", result.stderr, re.M), result.stderr
     due = RateLimit(60.0)
     assert [due("stage 1"), due("stage 1"), due("stage 2")] == [True, False, True]
+
+
+@pytest.mark.parametrize(
+    "name, level, message",
+    [
+        (
+            "hivemind.averaging.matchmaking",
+            logging.INFO,
+            "Another look_for_group is already in progress. The current run will be scheduled after the existing "
+            "group is either assembled or disbanded.",
+        ),
+        ("hivemind.averaging.partition", logging.WARNING, "Reducer: received 50.0% of input tensors"),
+    ],
+)
+def test_matchmaking_lines_are_debug_lines(captured, name, level, message):
+    """hivemind's matchmaking lines of a healthy swarm print nothing at its default level (INFO); at DEBUG they
+    print as DEBUG lines."""
+    logger = logging.getLogger(name)
+    before = logger.level
+    try:
+        logger.setLevel(logging.INFO)
+        logger.log(level, message)
+        assert not captured.records
+        logger.setLevel(logging.DEBUG)
+        logger.log(level, message)
+        assert [(r.levelno, r.getMessage()) for r in captured.records] == [(logging.DEBUG, message)]
+    finally:
+        logger.setLevel(before)
