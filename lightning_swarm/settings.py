@@ -172,6 +172,9 @@ class SwarmSettings:
     0.25 s for a caller already refused that second). Default 64."""
     max_request_bytes: int = field(default=256 * 2**20, metadata={CAST: int})
     """largest request a stage server accepts. Default 256 MiB."""
+    max_request_samples: int = field(default=4096, metadata={CAST: int})
+    """most samples a request to a stage server may claim (its first dimension); also the most samples of several
+    callers' inference forwards a stage server runs together in one pass. Default 4096."""
     leave_timeout: float = field(default=60.0, metadata={CAST: float})
     """after SIGTERM or SIGINT, the longest time in seconds this peer takes to leave: it finishes the current
     step, announces it is leaving, answers the requests already sent to it and stops its helper processes; past

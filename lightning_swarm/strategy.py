@@ -109,6 +109,7 @@ class SwarmStrategy(Strategy):
         linger: Optional[float] = None,
         max_queue: Optional[int] = None,
         max_request_bytes: Optional[int] = None,
+        max_request_samples: Optional[int] = None,
         leave_timeout: Optional[float] = None,
         rebalance_period: Optional[float] = None,
         throttle: Optional[float] = None,

@@ -123,6 +123,7 @@ class StageHost:
             idle_period=self.settings.matchmaking_time / 4,
             max_queue=self.settings.max_queue,
             max_request_bytes=self.settings.max_request_bytes,
+            max_request_samples=self.settings.max_request_samples,
             max_activation_bytes=self.settings.max_activation_bytes,
             activation_timeout=self.settings.activation_timeout,
             checkpoint_activations=self.settings.checkpoint_activations,

@@ -40,9 +40,12 @@ def refused(call, *fragments: str, remote: str = "SwarmRequestError") -> str:
     return message
 
 
+MAX_REQUEST_SAMPLES = 2048  # below the default: the setting reaches the peer's stage server
+
+
 def test_bad_requests_are_refused_and_leave_the_stage_untouched(swarm):
     start = time.monotonic()
-    peer = swarm.start("server", SMALL_GPT, env=SERVE_ENV)
+    peer = swarm.start("server", SMALL_GPT, env={**SERVE_ENV, "SWARM_MAX_REQUEST_SAMPLES": str(MAX_REQUEST_SAMPLES)})
     address = peer.addresses()[0]
     node = SwarmNode(initial_peers=peer.addresses()).start()
     try:
@@ -72,6 +75,9 @@ def test_bad_requests_are_refused_and_leave_the_stage_untouched(swarm):
         refused(lambda: client.info(uid=other), "no longer serves", other, remote=stale)
         assert isinstance(_remote_error(P2PHandlerError("NotServingError('x')")), NotServingError)
         refused(lambda: client.call("forward", [wire(x)], uid="no-such-run.stage0"), "unknown stage")
+        # more samples than the peer's max_request_samples setting (SWARM_MAX_REQUEST_SAMPLES) reaches its server
+        many = activation(MAX_REQUEST_SAMPLES + 1, 1, 1)  # few bytes: refused for its samples
+        refused(lambda: client.call("forward", [wire(many)]), f"at most {MAX_REQUEST_SAMPLES} samples")
 
         # metadata
         refused(
