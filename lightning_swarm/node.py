@@ -13,12 +13,12 @@ import re
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from typing import Any, Awaitable, Optional, Sequence, TypeVar
 
 from hivemind.dht import DHT
 from hivemind.dht.validation import RecordValidatorBase
-from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
@@ -100,6 +100,9 @@ class SwarmNode:
         self._guarded_id: Optional[str] = None  # our peer id, while the allow-list guards its forked processes
         self._identity_dir: Optional[str] = None  # a temporary identity's, when the guard needs one
         self._stored_until: dict[tuple[str, str], float] = {}  # DHT time each record stored here expires
+        self._loop: Optional[asyncio.AbstractEventLoop] = None  # this node's RPC event loop, in a thread of its own
+        self._loop_thread: Optional[threading.Thread] = None
+        self._loop_lock = threading.Lock()
 
     def start(self, attempts: int = 3) -> SwarmNode:
         """Start the DHT and the RPC replica. A failed join is retried: a busy initial peer can miss the DHT's
@@ -205,13 +208,33 @@ class SwarmNode:
         return self.run(_dial(self.p2p, others, timeout), timeout=2 * timeout)
 
     def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
-        """Run a coroutine on the RPC event loop from synchronous code and wait for it, with a timeout."""
-        future = RemoteExpertWorker.run_coroutine(coro, return_future=True)
+        """Run a coroutine on this node's RPC event loop from synchronous code and wait for it, with a timeout."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._rpc_loop())
         try:
             return future.result(timeout=timeout or self.timeout)
         except TimeoutError:
             future.cancel()
             raise
+
+    def _rpc_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop this node's RPC runs on (the P2P replica, stage handlers, the direct path), started at
+        first use in a thread of its own: the peer's, not a singleton shared with other users of hivemind."""
+        with self._loop_lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._loop_thread = threading.Thread(target=self._loop.run_forever, name="swarm-rpc", daemon=True)
+                self._loop_thread.start()
+            return self._loop
+
+    def _stop_loop(self) -> None:
+        with self._loop_lock:
+            loop, thread, self._loop, self._loop_thread = self._loop, self._loop_thread, None, None
+        if loop is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+        if not thread.is_alive():
+            loop.close()
 
     def dht_get(self, key: str, timeout: Optional[float] = None) -> Optional[Any]:
         """The newest value under ``key`` (a dict of subkeys to values for dictionary records), or None."""
@@ -239,6 +262,7 @@ class SwarmNode:
             except Exception as e:  # the daemon may already be gone; the DHT shutdown below reaps it
                 log.debug("P2P replica shutdown failed: %r", e)
             self.p2p = None
+        self._stop_loop()
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
