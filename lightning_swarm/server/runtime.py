@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 from hivemind.utils.performance_ema import PerformanceEMA
+from torch.utils import _pytree as pytree
 
 from lightning_swarm import device_sync
 from lightning_swarm.errors import ActivationsLostError, StageBusyError, StageFailedError, SwarmRequestError
@@ -29,6 +30,10 @@ from lightning_swarm.server.backend import StageBackend
 from lightning_swarm.server.task_pool import Task, TaskPool
 
 log = logging.getLogger(__name__)
+
+
+def _side_tensors(calls: list) -> list[torch.Tensor]:
+    return [leaf for leaf in pytree.tree_leaves(calls) if isinstance(leaf, torch.Tensor)]
 
 
 def refuse(future: Future, error: Exception) -> None:
@@ -100,8 +105,8 @@ class StageRuntime:
         if not tasks:
             return
         first, batch = tasks[0], sum(task.batch for task in tasks)
-        for task in tasks:
-            device_sync.wait_for(task.ready, task.tensors)
+        for task in tasks:  # decoded on another stream: the compute waits for them, and holds them until it is done
+            device_sync.wait_for(task.ready, [*task.tensors, *_side_tensors(task.calls)])
         tensors = first.tensors if len(tasks) == 1 else [torch.cat([task.tensors[0] for task in tasks])]
         start, error = device_sync.mark(self.backend.device), None
         try:
