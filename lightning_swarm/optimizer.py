@@ -245,11 +245,23 @@ class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaki
 
     owner_bounds_triggered_rounds = True
 
+    @property
+    def window(self) -> float:
+        """How long a round opened at the end of an epoch looks for its partners: two matchmaking times. A partner
+        notices the end at its next step (a trainer's: after its batch) past a progress refresh; a round whose
+        partners all joined begins at once (:meth:`expect_group`), so the window costs only a round that fails."""
+        return 2 * self.matchmaking_kwargs["min_matchmaking_time"]
+
+    def schedule_step(self, scheduled_time: Optional[float] = None, **kwargs: Any) -> Any:
+        if scheduled_time is None:
+            scheduled_time = get_dht_time() + self.window
+        return super().schedule_step(scheduled_time=scheduled_time, **kwargs)
+
     def assembles(self, control: Any) -> bool:
-        """Whether the round ``control``, triggered just now, begins its all-reduce within a matchmaking time and a
+        """Whether the round ``control``, triggered just now, begins its all-reduce within its :attr:`window` and a
         request's timeout; if not, it is cancelled. Partners holding samples see the epoch end within a progress
-        refresh of this peer and join within their matchmaking time; ones that have not by then are not coming."""
-        deadline = time.monotonic() + self.matchmaking_kwargs["min_matchmaking_time"] + self.grace
+        refresh and a step of theirs; ones that have not by then are not coming."""
+        deadline = time.monotonic() + self.window + self.grace
         while not (control.done() or control.began_allreduce):
             if time.monotonic() >= deadline:
                 control.cancel()
