@@ -1,5 +1,6 @@
 """A seconds-long smoke run of each benchmark script: it runs, and writes a results table with real figures. The
-GPU benchmarks' are in test_benchmarks_gpu.py."""
+GPU benchmarks' are in test_benchmarks_gpu.py, those that train a swarm against plain training in
+test_benchmarks_training.py."""
 
 from __future__ import annotations
 
@@ -9,39 +10,11 @@ import re
 import subprocess
 import sys
 
-import numpy
 import pytest
 from helpers import ROOT
+from helpers.benchmark_smoke import sent_per_step, smoke
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from harness import steady_throughput  # noqa: E402
-
-
-def eight_bit_bytes(elements: int) -> int:
-    """The bytes of an 8-bit tensor on the wire: one per element, and a float32 scale per block of 4096."""
-    return elements + 4 * -(-elements // 4096)
-
-
-def sent_per_step(setup: dict) -> int:
-    """What a drive-only trainer of the 2-stage GPT sends per step, 8-bit: for each microbatch its input to stage 0,
-    stage 0's output on to stage 1, and the gradients of both stages' outputs back (4 activation-sized tensors)."""
-    count = setup["microbatches"]
-    elements = setup["batch_size"] // count * setup["block_size"] * setup["d_model"]
-    return 4 * count * eight_bit_bytes(elements)
-
-
-def smoke(tmp_path, name: str, timeout: float) -> str:
-    """Run ``benchmarks/<name>.py --smoke`` in a session of its own; returns the results it wrote."""
-    out = tmp_path / "RESULTS.md"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--smoke", "--out", str(out)],
-        timeout=timeout,
-        capture_output=True,
-        text=True,
-        start_new_session=True,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out.read_text()
 
 
 def test_swarm_throughput_smoke(tmp_path):
@@ -114,27 +87,6 @@ def test_slow_links_smoke(tmp_path):
     assert re.search(rf"^\| 200 Mbit/s \+ 50 ms \| 8-bit {cells}", text, re.MULTILINE), text
 
 
-def test_convergence_smoke(tmp_path):
-    """Plain training and the 1-trainer swarm validated after the same samples (every val_every steps of the batch),
-    on the same data, so the swarm (8-bit, delayed updates) ends within 3% of plain training's loss; the 2-trainer
-    swarm never counts more samples than the steps of its trainers hold; each reported gap is the run's final loss
-    over plain training's, interpolated at the same samples."""
-    text = smoke(tmp_path, "convergence", timeout=600)
-    data = json.loads((tmp_path / "results" / "convergence.json").read_text())
-    curves, batch = data["curves"], data["batch_size"]
-    validated = [k * data["val_every"] * batch for k in range(1, data["steps"] // data["val_every"] + 1)]
-    assert curves["plain"]["samples"] == curves["swarm, 1 trainer"]["samples"] == validated, curves
-    assert all(0 < s <= data["steps"] * batch for s in curves["swarm, 2 trainers"]["samples"]), curves
-    plain = curves["plain"]
-    for label in ("swarm, 1 trainer", "swarm, 2 trainers"):
-        final, samples = curves[label]["val_loss"][-1], curves[label]["samples"][-1]
-        gap = final / numpy.interp(samples, plain["samples"], plain["val_loss"]) - 1
-        assert math.isclose(data["gap"][label], gap, abs_tol=1e-12), (label, data["gap"], gap)
-        cells = rf"\| {samples} \| {final:.4f} \| [0-9.]+ \| {re.escape(f'{gap:+.2%}')} \|$"
-        assert re.search(rf"^\| {label} \| [^|]+ {cells}", text, re.MULTILINE), (label, gap, text)
-    assert abs(data["gap"]["swarm, 1 trainer"]) < 0.03, data["gap"]
-
-
 def test_stage_memory_smoke(tmp_path):
     """The stage's expected memory is its GPT blocks' fp32 weights (12 d^2 + 13 d per block), as many gradients and
     accumulators, and Adam's two statistics; every batch (the same microbatches) keeps the same forwards' bytes, and
@@ -165,64 +117,6 @@ def test_plot(tmp_path):
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000, result.stdout
     assert "swarm_throughput.json" in result.stdout and "unknown.json" in result.stdout, result.stdout
     assert "(convergence, delayed_updates)" in result.stdout, result.stdout  # the panels drawn
-
-
-def test_baselines_smoke(tmp_path):
-    """Every method trained the same model on the same batches, so GPipe (the same arithmetic, in microbatches over
-    gloo) ends at plain training's loss and the swarm (8-bit activations) within 2% of it; GPipe stepped once per
-    batch; the table's ratios are each method's samples/s over plain training's, measured in the same run."""
-    text = smoke(tmp_path, "baselines", timeout=600)
-    (row,) = json.loads((tmp_path / "results" / "baselines.json").read_text())
-    loss = row["final loss"]
-    assert math.isclose(loss["gpipe"], loss["plain"], rel_tol=1e-3), loss
-    assert math.isclose(loss["swarm"], loss["plain"], rel_tol=0.02), loss
-    steps = int(re.search(r"block \d+, (\d+) steps", text).group(1))
-    assert row["gpipe optimizer steps"] == steps and 1 <= row["hivemind optimizer steps"] <= steps, row
-    cells = [f"{row[key] / row['plain']:.3f} ({row[key]:.1f}/s)" for key in ("gpipe", "hivemind", "swarm")]
-    assert f"| {row['d_model']} | {row['plain']:.1f} | {' | '.join(cells)} |" in text, (cells, text)
-
-
-def test_churn_smoke(tmp_path):
-    """The swarm was sampled while the schedule ran: it started with the initial peers and never held more than the
-    joins add (nor fewer than the leaves take); every sample's quality is a fraction of the best allocation (at most
-    1); the table's mean and lowest are the samples'."""
-    text = smoke(tmp_path, "churn", timeout=600)
-    data = json.loads((tmp_path / "results" / "churn.json").read_text())
-    assert list(data["results"]) == ["with rebalancing"], data["results"].keys()  # the smoke runs one variant
-    samples = data["results"]["with rebalancing"]["samples"]
-    joins = sum(1 for _, action, _ in data["schedule"] if action == "join")
-    leaves = len(data["schedule"]) - joins
-    peers = [count for _, _, count in samples]
-    assert samples and peers[0] == len(data["initial"]), samples
-    assert all(len(data["initial"]) - leaves <= count <= len(data["initial"]) + joins for count in peers), samples
-    qualities = [quality for _, quality, _ in samples]
-    assert all(0 <= quality <= 1 + 1e-9 for quality in qualities), samples
-    mean, lowest = sum(qualities) / len(qualities), min(qualities)
-    row = rf"^\| with rebalancing \| {mean:.3f} \| [0-9.]+ \| {lowest:.2f} \| ([0-9.]+) \|$"
-    found = re.search(row, text, re.MULTILINE)
-    assert found and float(found.group(1)) > 0, (mean, lowest, text)
-
-
-def test_delayed_updates_smoke(tmp_path):
-    """Each run's trainers did the configured steps and sent the 8-bit bytes the 2-stage pipeline implies for them
-    (when nothing failed over or recomputed); the table's samples/s are the trainers' own step times', and each
-    ratio is its pair's delayed over synchronous figure."""
-    text = smoke(tmp_path, "delayed_updates", timeout=600)
-    data = json.loads((tmp_path / "results" / "delayed_updates.json").read_text())
-    setup = data["setup"]
-    for label in ("synchronous", "delayed"):
-        assert len(data[label]) == len(data["trained"][label]) == len(data["ratios"]) >= 1, data
-        for throughput, trainers in zip(data[label], data["trained"][label]):
-            assert len(trainers) == setup["trainers"], trainers
-            for history in trainers:
-                assert history["steps"] == len(history["times"]) == setup["steps"], history
-                assert history["samples"] == setup["steps"] * setup["batch_size"], history
-                if not history["failovers"] and not history["recomputed"]:
-                    assert history["bytes_sent"] == setup["steps"] * sent_per_step(setup), history
-            assert math.isclose(throughput, sum(steady_throughput(history) for history in trainers)), trainers
-    for pair, (synchronous, delayed, ratio) in enumerate(zip(data["synchronous"], data["delayed"], data["ratios"])):
-        assert math.isclose(ratio, delayed / synchronous)
-        assert f"| {pair} | {synchronous:.1f} | {delayed:.1f} | {ratio:.2f} |" in text, text
 
 
 TRANSPORTS = ("hivemind P2P", "gRPC", "ZeroMQ", "direct path", "asyncio TCP")

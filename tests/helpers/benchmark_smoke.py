@@ -1,0 +1,36 @@
+"""What the benchmark smokes (tests/swarm/test_benchmarks*.py) share: running a script's ``--smoke``, and the bytes
+the 8-bit wire carries."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from helpers import ROOT
+
+
+def eight_bit_bytes(elements: int) -> int:
+    """The bytes of an 8-bit tensor on the wire: one per element, and a float32 scale per block of 4096."""
+    return elements + 4 * -(-elements // 4096)
+
+
+def sent_per_step(setup: dict) -> int:
+    """What a drive-only trainer of the 2-stage GPT sends per step, 8-bit: for each microbatch its input to stage 0,
+    stage 0's output on to stage 1, and the gradients of both stages' outputs back (4 activation-sized tensors)."""
+    count = setup["microbatches"]
+    elements = setup["batch_size"] // count * setup["block_size"] * setup["d_model"]
+    return 4 * count * eight_bit_bytes(elements)
+
+
+def smoke(tmp_path, name: str, timeout: float) -> str:
+    """Run ``benchmarks/<name>.py --smoke`` in a session of its own; returns the results it wrote."""
+    out = tmp_path / "RESULTS.md"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--smoke", "--out", str(out)],
+        timeout=timeout,
+        capture_output=True,
+        text=True,
+        start_new_session=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out.read_text()
