@@ -17,6 +17,7 @@ import hivemind
 import pytest
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import StepControl
+from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
 from hivemind.dht import DHT
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
@@ -64,7 +65,7 @@ def parameters(function: Callable) -> list[str]:
     return [("**" if p.kind is p.VAR_KEYWORD else "") + name for name, p in found]
 
 
-# ---- the eight private methods of hivemind that optimizer.py overrides ----------------------------------------------
+# ---- the private methods of hivemind that optimizer.py overrides ----------------------------------------------
 
 # (hivemind's class, method, its parameters as the override takes them, what the override relies on)
 OVERRIDES = [
@@ -81,6 +82,10 @@ OVERRIDES = [
     (Optimizer, "_tag_along_with_zero_weight", ["self", "control"], "bounds the round it tags along with"),
     (Optimizer, "_load_averaged_gradients_into_optimizer_", ["self"], "gives a missing .grad device zeros first"),
     (Optimizer, "_should_load_state_from_peers", ["self"], "lets a peer one epoch behind join the round"),
+    (Optimizer, "_maybe_schedule_gradient_averaging", ["self"], "schedules no gradient round ahead of its trigger"),
+    (Optimizer, "_maybe_schedule_state_averaging", ["self"], "averages parameters only after an incomplete round"),
+    (Optimizer, "_begin_averaging_gradients", ["self", "grad_scaler"], "tells the round how many partners to expect"),
+    (Optimizer, "_load_local_gradients_into_optimizer", ["self"], "steps alone on the device's mean gradient"),
 ]
 
 
@@ -175,7 +180,7 @@ def test_what_the_overrides_read_and_write_on_hivemind_objects_is_still_there():
             "use_gradient_averaging",
         ],
         ProgressTracker: ["performance_ema", "local_progress", "dht", "target_batch_size", "global_epoch"],
-        DecentralizedAverager: ["matchmaking_kwargs", "state_sharing_priority"],
+        DecentralizedAverager: ["matchmaking_kwargs", "state_sharing_priority", "_outer_pipe"],
         TrainingStateAverager: ["pending_updates", "lock_optimizer", "main_parameters", "local_epoch"],
         GradientAverager: ["local_samples_accumulated"],
     }
@@ -189,6 +194,14 @@ def test_what_the_overrides_read_and_write_on_hivemind_objects_is_still_there():
         f"hivemind {hivemind.__version__}: matchmaking_kwargs lost min_matchmaking_time or request_timeout (the "
         f"swarm's rounds are bounded by them); {PIN}"
     )
+    assert "_matchmaking" in assigned_in(DecentralizedAverager._run_internal), (  # in the averager's process
+        f"hivemind {hivemind.__version__}: the averager's process no longer keeps _matchmaking; {PIN}"
+    )
+    for cls in (Matchmaking, PotentialLeaders):  # a round told how many partners to expect begins once they joined
+        assert "target_group_size" in assigned_in(cls.__init__), (
+            f"hivemind {hivemind.__version__}: {cls.__name__} no longer keeps target_group_size; {PIN}"
+        )
+    assert "potential_leaders" in assigned_in(Matchmaking.__init__), f"Matchmaking lost potential_leaders; {PIN}"
     for name in ("began_allreduce", "triggered", "scheduled_time", "weight", "allow_allreduce", "cancel", "done"):
         assert hasattr(StepControl, name), f"hivemind {hivemind.__version__}: StepControl.{name} is gone; {PIN}"
     for name in ("peer_id", "epoch", "samples_accumulated", "samples_per_second", "time", "client_mode"):
