@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import torch
 from hivemind.proto import runtime_pb2
 from torch import nn
 
-from lightning_swarm import compression, protocol
-from lightning_swarm.client.routing import RouterStats
+from lightning_swarm import compression, protocol, transport
+from lightning_swarm.client.routing import PeerLoad, RouterStats, StageRouter
+from lightning_swarm.discovery import PeerRecord, PeerState
+from lightning_swarm.protocol import stage_uid
 from lightning_swarm.server.stage_server import StageServer
 from lightning_swarm.transport import DirectRequest
 
@@ -71,3 +75,63 @@ class InProcessRouter:
         if check is not None:  # the pipeline's check of the reply, as StageRouter applies it
             check(reply)
         return reply
+
+
+class InProcessNode:
+    """Stands in for a SwarmNode: runs the router's coroutines to completion in the calling thread."""
+
+    policy = None
+
+    @staticmethod
+    def run(coroutine, timeout=None):
+        return asyncio.run(asyncio.wait_for(coroutine, timeout))
+
+
+class PeersRouter(StageRouter):
+    """A real router over stages whose peers are in-process stage servers (or fakes of them): ``stages[s]`` maps
+    each peer of stage ``s`` to its server, called through ``answer_tensors`` as the direct path calls them; their
+    errors travel as the direct path's reply headers carry them (its own conversion, both ways; both paths over a
+    real network: test_reliability's test_errors_cross_both_paths_by_name). The peers named in ``first`` are all but
+    sure to be chosen first in their stage."""
+
+    def __init__(self, stages: list[dict], first: tuple = (), **kwargs) -> None:
+        super().__init__(InProcessNode(), "run", len(stages), refresh_period=float("inf"), **kwargs)
+        self.servers = {peer: server for peers in stages for peer, server in peers.items()}
+        for stage, peers in enumerate(stages):
+            speed = {p: 1e9 if p in first else 1.0 for p in peers}
+            self._peers[stage] = {p: PeerLoad(PeerRecord(p, stage, PeerState.SERVING, speed[p], 0)) for p in peers}
+
+    async def _request(self, stage, peer, method, tensors, metadata):
+        request = DirectRequest(stage_uid("run", stage), list(tensors), protocol.encode_metadata(metadata))
+        try:
+            return await self.servers[peer].answer_tensors(method, request, "trainer")
+        except Exception as e:
+            raise transport.header_error(transport.error_header(e)) from None
+
+    def banned(self, peer: str) -> bool:
+        return any(peer in peers and peers[peer].banned_until > time.monotonic() for peers in self._peers)
+
+
+class HeldLock:
+    """Stands in for a stage backend's lock: held by the test until it releases it; ``wanted`` is set once the
+    worker came for it (it then holds the request it took)."""
+
+    def __init__(self) -> None:
+        self._lock, self.wanted = threading.Lock(), threading.Event()
+
+    def acquire(self, *args) -> bool:
+        return self._lock.acquire(*args)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> HeldLock:
+        self.wanted.set()
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()

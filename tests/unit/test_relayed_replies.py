@@ -4,52 +4,19 @@ on another peer. Real stage servers, called in process through the direct path's
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import pytest
 import torch
+from helpers.stage import PeersRouter
 
-from lightning_swarm import compression, protocol, transport
+from lightning_swarm import compression
 from lightning_swarm.block_calls import MetaBlocks
 from lightning_swarm.client.remote_pipeline import RemotePipeline
-from lightning_swarm.client.routing import PeerLoad, StageRouter
-from lightning_swarm.discovery import PeerRecord, PeerState
 from lightning_swarm.errors import NonFiniteInputError
-from lightning_swarm.protocol import stage_uid
 from lightning_swarm.server.stage_server import StageServer
-from lightning_swarm.transport import DirectRequest
 
 CPU = torch.device("cpu")
-
-
-class InProcessNode:
-    policy = None
-
-    @staticmethod
-    def run(coroutine, timeout=None):
-        return asyncio.run(asyncio.wait_for(coroutine, timeout))
-
-
-class Router(StageRouter):
-    """A router over in-process peers, ``stages[s]`` mapping each peer of stage ``s`` to its server; the first peer
-    listed is all but sure to be chosen first."""
-
-    def __init__(self, stages: list[dict]) -> None:
-        super().__init__(InProcessNode(), "run", len(stages), refresh_period=float("inf"))
-        self.servers = {peer: server for peers in stages for peer, server in peers.items()}
-        for stage, peers in enumerate(stages):
-            speeds = [1e9] + [1.0] * (len(peers) - 1)
-            self._peers[stage] = {
-                p: PeerLoad(PeerRecord(p, stage, PeerState.SERVING, speed, 0)) for p, speed in zip(peers, speeds)
-            }
-
-    async def _request(self, stage, peer, method, tensors, metadata):
-        request = DirectRequest(stage_uid("run", stage), list(tensors), protocol.encode_metadata(metadata))
-        try:
-            return await self.servers[peer].answer_tensors(method, request, "trainer")
-        except Exception as e:
-            raise transport.header_error(transport.error_header(e)) from None
 
 
 class Poisoned:
@@ -77,7 +44,7 @@ def test_nan_relayed_from_a_stage_bans_its_peer_and_its_hop_runs_again():
     input gradient equal the honest stages'."""
     first, second = stage(0), stage(1)
     liar0, liar1 = Poisoned(stage(0), "forward"), Poisoned(stage(1), "backward")
-    router = Router([{"liar0": liar0, "honest0": first}, {"liar1": liar1, "honest1": second}])
+    router = PeersRouter([{"liar0": liar0, "honest0": first}, {"liar1": liar1, "honest1": second}], ("liar0", "liar1"))
     meta = MetaBlocks([first.module, second.module])
     pipeline = RemotePipeline(router, "none", 1, spans=[(0, 1), (1, 2)], meta=meta)
     x = torch.randn(4, 8, requires_grad=True)
@@ -86,12 +53,12 @@ def test_nan_relayed_from_a_stage_bans_its_peer_and_its_hop_runs_again():
         y = pipeline(x)
         expected = second.module(first.module(reference))
         torch.testing.assert_close(y, expected.detach())
-        assert liar0.poisoned == 1 and router._banned(0, "liar0") and router.stats.failed == {"liar0": 1}
+        assert liar0.poisoned == 1 and router.banned("liar0") and router.stats.failed == {"liar0": 1}
 
         y.sum().backward()
         expected.sum().backward()
         torch.testing.assert_close(x.grad, reference.grad)
-        assert liar1.poisoned == 1 and router._banned(1, "liar1")
+        assert liar1.poisoned == 1 and router.banned("liar1")
         assert router.stats.failed == {"liar0": 1, "liar1": 1}
     finally:
         for server in (first, second, liar0.server, liar1.server):
@@ -100,7 +67,7 @@ def test_nan_relayed_from_a_stage_bans_its_peer_and_its_hop_runs_again():
 
 def test_nan_in_the_trainers_own_input_is_its_own_fault():
     """NaN in the input the trainer sends to stage 0 is refused as the caller's fault: it raises, no peer banned."""
-    router = Router([{"only": stage(0)}, {"next": stage(1)}])
+    router = PeersRouter([{"only": stage(0)}, {"next": stage(1)}])
     pipeline = RemotePipeline(router, "none", 1, spans=[(0, 1), (1, 2)])
     try:
         with pytest.raises(NonFiniteInputError), torch.no_grad():

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-import time
 from types import SimpleNamespace
 from typing import Optional
 
 import pytest
 import torch
+from helpers.stage import PeersRouter
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import P2P
 
@@ -28,7 +28,7 @@ from lightning_swarm.errors import (
     StageUnavailableError,
     SwarmRequestError,
 )
-from lightning_swarm.server.stage_server import StageServer, stage_uid
+from lightning_swarm.server.stage_server import StageServer
 from lightning_swarm.transport import DirectRequest
 
 CPU = torch.device("cpu")
@@ -80,36 +80,9 @@ def test_wait_for_a_stage_is_not_restarted_by_retrying_a_banned_peer(monkeypatch
     assert router.stage_wait_timeout <= clock.now <= router.stage_wait_timeout + 1.5, (clock.now, attempts)
 
 
-class InProcessNode:
-    """Stands in for a SwarmNode: runs the router's coroutines to completion in the calling thread."""
-
-    policy = None
-
-    @staticmethod
-    def run(coroutine, timeout=None):
-        return asyncio.run(asyncio.wait_for(coroutine, timeout))
-
-
-class InProcessRouter(StageRouter):
-    """A router over one stage whose peers are in-process stage servers (or fakes of them), called through
-    ``answer_tensors`` as the direct path calls them; their errors travel as the direct path's reply headers carry
-    them (its own conversion, both ways; both paths over a real network: test_errors_cross_both_paths_by_name)."""
-
-    def __init__(self, peers: dict, first: str = "", **kwargs) -> None:
-        super().__init__(InProcessNode(), "run", 1, refresh_period=float("inf"), **kwargs)
-        self.servers = peers
-        speed = {p: 1e9 if p == first else 1.0 for p in peers}  # ``first`` is all but sure to be chosen first
-        self._peers[0] = {p: PeerLoad(PeerRecord(p, 0, PeerState.SERVING, speed[p], 0)) for p in peers}
-
-    async def _request(self, stage, peer, method, tensors, metadata):
-        request = DirectRequest(stage_uid("run", stage), list(tensors), protocol.encode_metadata(metadata))
-        try:
-            return await self.servers[peer].answer_tensors(method, request, "trainer")
-        except Exception as e:
-            raise transport.header_error(transport.error_header(e)) from None
-
-    def banned(self, peer: str) -> bool:
-        return self._peers[0][peer].banned_until > time.monotonic()
+def one_stage(peers: dict, first: str = "", **kwargs) -> PeersRouter:
+    """A real router over one stage whose peers are ``peers`` (``first`` all but sure to be chosen first)."""
+    return PeersRouter([peers], (first,), **kwargs)
 
 
 def linear_stage(module: Optional[torch.nn.Module] = None) -> StageServer:
@@ -156,7 +129,7 @@ def test_server_faults_fail_over_and_only_the_callers_faults_raise():
         for name, server in faulty.items():
             if isinstance(server, StageServer) and server.runtime.is_alive():
                 asyncio.run(ask_server(server, x))  # the faulty module's first call is its last good one
-            router = InProcessRouter({"faulty": server, "healthy": healthy}, first="faulty", stage_wait_timeout=30.0)
+            router = one_stage({"faulty": server, "healthy": healthy}, first="faulty", stage_wait_timeout=30.0)
             pipeline = RemotePipeline(router, codec="none", microbatches=1)
             with torch.no_grad():
                 torch.testing.assert_close(pipeline(x), expected)
@@ -164,7 +137,7 @@ def test_server_faults_fail_over_and_only_the_callers_faults_raise():
             assert router.stats.chosen.get("faulty") and router.stats.failovers == 1, (name, router.stats)
             assert router.stats.chosen["healthy"] == 1
 
-        router = InProcessRouter({"healthy": healthy})
+        router = one_stage({"healthy": healthy})
         pipeline = RemotePipeline(router, codec="none", microbatches=1)
         for wrong in (torch.randn(4, 9), torch.randn(4, 2, 7)):  # the caller's fault: raised, nobody banned
             with torch.no_grad(), pytest.raises(SwarmRequestError, match="do not take an input of shape"):
@@ -213,7 +186,7 @@ def test_a_peer_that_answers_garbage_is_banned_and_the_microbatch_fails_over(gar
     """Replies are input too: a forward's output or a backward's input gradient that is malformed (shape, samples,
     dtype, NaN or Inf, size) bans its peer, and the microbatch goes to another peer: the result is the honest one."""
     honest, liar = linear_stage(), Liar(GARBAGE[garbage])
-    router = InProcessRouter({"liar": liar, "honest": honest}, first="liar")
+    router = one_stage({"liar": liar, "honest": honest}, first="liar")
     # the replies are checked against what the stage's block returns on the meta device
     pipeline = RemotePipeline(router, "none", 1, spans=[(0, 1)], meta=MetaBlocks([honest.module]))
     x = torch.randn(4, 8, requires_grad=True)

@@ -13,7 +13,7 @@ from unittest.mock import patch
 import pytest
 import torch
 from helpers.raw_client import NONE_META, wire
-from helpers.stage import ask, blocks
+from helpers.stage import HeldLock, ask, blocks
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
@@ -155,30 +155,6 @@ def test_each_request_runs_in_the_mode_it_asks_for():
         server.shutdown()
 
 
-class WatchedLock:
-    """A stage server's lock that says when its worker waits for it (to compute a request the test holds up)."""
-
-    def __init__(self) -> None:
-        self._lock, self.waited = threading.Lock(), threading.Event()
-
-    def acquire(self, *args) -> bool:
-        return self._lock.acquire(*args)
-
-    def release(self) -> None:
-        self._lock.release()
-
-    def locked(self) -> bool:
-        return self._lock.locked()
-
-    def __enter__(self) -> WatchedLock:
-        self.waited.set()
-        self._lock.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._lock.release()
-
-
 async def until(condition, what: str, patience: float = 30.0) -> None:
     """Let the event loop run until ``condition()`` holds (failing after ``patience`` seconds)."""
     deadline = time.monotonic() + patience
@@ -195,7 +171,7 @@ def test_a_caller_refused_again_within_a_second_waits_for_its_busy_answer():
     server = StageServer("run", 0, blocks(), CPU, max_queue=1)
     now = [0.0]
     server._busy_at_once = RateLimit(1.0, clock=lambda: now[0])
-    server.backend.lock = server.lock = lock = WatchedLock()
+    server.backend.lock = server.lock = lock = HeldLock()
     request = evaluation_forward(server)
 
     async def held(caller: str) -> bool:
@@ -213,7 +189,7 @@ def test_a_caller_refused_again_within_a_second_waits_for_its_busy_answer():
 
     async def scenario() -> tuple[list[bool], bool, bool]:
         served = [asyncio.ensure_future(server.answer("forward", request, "flooder"))]
-        await until(lock.waited.is_set, "the worker took the first request")  # and waits for the lock
+        await until(lock.wanted.is_set, "the worker took the first request")  # and waits for the lock
         served.append(asyncio.ensure_future(server.answer("forward", request, "flooder")))
         await until(lambda: server._tasks.qsize() == 1, "the second request queued")  # the queue is full
         try:

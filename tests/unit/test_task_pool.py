@@ -7,6 +7,7 @@ import asyncio
 import threading
 
 import torch
+from helpers.stage import HeldLock
 from torch import nn
 
 from lightning_swarm import compression, protocol
@@ -30,28 +31,6 @@ class Counted(nn.Linear):
         return super().forward(x)
 
 
-class HeldLock:
-    """The backend's lock, held by the test; says when the worker came for it."""
-
-    def __init__(self) -> None:
-        self._lock, self.wanted = threading.Lock(), threading.Event()
-        self._lock.acquire()
-
-    def locked(self) -> bool:
-        return self._lock.locked()
-
-    def release(self) -> None:
-        self._lock.release()
-
-    def __enter__(self) -> HeldLock:
-        self.wanted.set()
-        self._lock.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._lock.release()
-
-
 def forward(server: StageServer, caller: str, x: torch.Tensor, **metadata) -> asyncio.Future:
     request = DirectRequest(server.uid, [compression.encode(x, "none")], protocol.encode_metadata(metadata))
     return asyncio.ensure_future(server.answer_tensors("forward", request, caller))
@@ -65,7 +44,8 @@ def test_inference_forwards_of_several_callers_run_as_one_pass_and_each_gets_its
     block = Counted()
     server = StageServer("run", 0, block, CPU, max_request_samples=10)
     inputs = {caller: torch.randn(3, 16) for caller in "abcdef"}
-    server.backend.lock = lock = HeldLock()  # the worker waits with the first request while the others queue
+    server.backend.lock = lock = HeldLock()
+    lock.acquire()  # the worker waits with the first request while the others queue
 
     async def scenario() -> dict:
         answers = {"a": forward(server, "a", inputs["a"], train=False)}
