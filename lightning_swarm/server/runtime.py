@@ -127,12 +127,13 @@ class StageRuntime:
         if error is not None:
             self._answer_overloaded(tasks, error)
             return
-        done = device_sync.mark(self.backend.device)
-        self._timings.append((start, done, batch))
-        self._time_computes()  # on the CPU at once; on a GPU, whatever the device has finished
-        if self.throttle > 1:
+        done = timed = device_sync.mark(self.backend.device)
+        if self.throttle > 1:  # the slowdown counts in the throughput the peer publishes, and delays its answers
             device_sync.synchronize(self.backend.device)
             time.sleep((self.throttle - 1) * (time.perf_counter() - start.host_time))
+            timed = device_sync.mark(self.backend.device)
+        self._timings.append((start, timed, batch))
+        self._time_computes()  # on the CPU at once; on a GPU, whatever the device has finished
         if first.kind == "backward" and not accumulate:
             self.skipped_samples += batch
             stage, scale = self.backend.stage, first.loss_scale

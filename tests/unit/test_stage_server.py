@@ -244,3 +244,26 @@ def test_requests_whose_callers_stopped_waiting_are_dropped_without_error():
     assert not shutdown_errors, shutdown_errors
     assert isinstance(first, runtime_pb2.ExpertResponse)
     assert isinstance(other, StageBusyError) and "shutting down" in str(other), other
+
+
+class Sleepy(torch.nn.Linear):
+    """A block whose forward takes at least 20 ms."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "meta":
+            time.sleep(0.02)
+        return super().forward(x)
+
+
+def test_a_throttled_stage_publishes_the_throughput_it_serves_at():
+    """throttle=3: a request's measured time holds its compute and the wait after it, so the throughput the stage
+    publishes is at most a third of what its compute alone (at least 20 ms for 4 samples) would allow; routers and
+    rebalancing see the peer as slow as it serves."""
+    server = StageServer("run", 0, Sleepy(16, 16), CPU, throttle=3)
+    try:
+        for _ in range(3):
+            ask(server, "forward", [torch.randn(4, 16)], train=False)
+        info = server.info()
+    finally:
+        server.shutdown()
+    assert 0 < info["throughput"] <= 4 / (3 * 0.02), info
