@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +35,7 @@ BATCH = 4  # samples per microbatch
 TARGET = 20 * BATCH  # a step per 20 microbatches of the whole stage
 
 PEER = """
-import json, random, sys, time
+import json, os, random, sys, time
 import torch
 from hivemind.optim.state_averager import TrainingStateAverager
 from lightning_swarm.node import SwarmNode
@@ -54,10 +56,15 @@ TrainingStateAverager.step = counting
 optimizer = swarm_optimizer(
     node.dht, "rounds_bench", torch.optim.AdamW(model.parameters(), lr=1e-3), target, float(matchmaking), float(timeout)
 )
+parent = os.getppid()
 sys.stdin.readline()  # all peers are up: go
 random.seed(index)
 held, began = 0.0, time.monotonic()
 while optimizer.local_epoch < steps:
+    if os.getppid() != parent:  # the benchmark is gone (killed): leave, with the DHT process and p2pd
+        optimizer.shutdown()
+        node.shutdown()
+        sys.exit(1)
     time.sleep(random.expovariate(1 / interval))
     x = torch.randn(BATCH, 256)
     model(x).square().mean().backward()
@@ -106,9 +113,12 @@ def run(peers: int, steps: int, interval: float, target: int, matchmaking: float
         for proc in procs:
             proc.wait(timeout=60)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+        for proc in procs:  # each peer's whole session: its DHT process and p2pd outlive a killed peer
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
     rounds, failed = sum(r["rounds"] for r in reports), sum(r["failed"] for r in reports)
     seconds = sum(r["seconds"] for r in reports)
     return dict(
@@ -157,6 +167,7 @@ def row(r: dict) -> list[str]:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # stopped: its peers are stopped too
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="2 peers, a few steps")
     parser.add_argument("--steps", type=int, default=40)
