@@ -12,13 +12,14 @@ blocks reject on an input they took on the meta device is the stage's fault (:cl
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from hivemind.utils.performance_ema import PerformanceEMA
@@ -32,8 +33,11 @@ from lightning_swarm.server.task_pool import Task, TaskPool
 log = logging.getLogger(__name__)
 
 
-def _side_tensors(calls: list) -> list[torch.Tensor]:
-    return [leaf for leaf in pytree.tree_leaves(calls) if isinstance(leaf, torch.Tensor)]
+def _side_tensors(calls: list) -> Iterator[torch.Tensor]:
+    """The tensors among a task's side inputs, found only when iterated (on a GPU: on the CPU nothing waits)."""
+    for leaf in pytree.tree_leaves(calls):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
 
 
 def refuse(future: Future, error: Exception) -> None:
@@ -106,7 +110,7 @@ class StageRuntime:
             return
         first, batch = tasks[0], sum(task.batch for task in tasks)
         for task in tasks:  # decoded on another stream: the compute waits for them, and holds them until it is done
-            device_sync.wait_for(task.ready, [*task.tensors, *_side_tensors(task.calls)])
+            device_sync.wait_for(task.ready, itertools.chain(task.tensors, _side_tensors(task.calls)))
         tensors = first.tensors if len(tasks) == 1 else [torch.cat([task.tensors[0] for task in tasks])]
         start, error = device_sync.mark(self.backend.device), None
         try:
