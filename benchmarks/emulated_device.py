@@ -656,10 +656,10 @@ def instrument(device: EmulatedDevice) -> None:
         finally:
             timeline.record(start, now(), proc, ANSWER, key, extra=REQUEST_KINDS.get(kind, 0))
 
-    def submitted(self, caller: str, task: Any, key: Any) -> Any:
+    def submitted(self, caller: str, task: Any, key: Any, owner: str) -> Any:
         t = now()
         timeline.record(t, t, proc, SUBMIT, key_of(key), value=task.batch, extra=REQUEST_KINDS.get(task.kind, 0))
-        return submit(self, caller, task, key)
+        return submit(self, caller, task, key, owner)
 
     def served(self, tasks: list) -> None:
         start, code, key = now(), REQUEST_KINDS.get(tasks[0].kind, 0), tasks[0].key

@@ -41,6 +41,11 @@ class StageUnavailableError(RuntimeError):
     """No live peer of a stage answered within the allowed retries."""
 
 
+class ChainBrokenError(RuntimeError):
+    """Under stage-to-stage wiring, a stage's peer could not hand a microbatch on to any peer of the next stage:
+    the trainer sends that microbatch again, relaying each boundary itself. Nobody on the way is blamed."""
+
+
 class NotServingError(RuntimeError):
     """The peer does not serve the requested stage of the run (it moved to another stage, is leaving, or is not
     ready yet): the caller sends the work to another peer of the stage."""

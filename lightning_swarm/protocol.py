@@ -18,6 +18,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from lightning_swarm.errors import (
     ActivationsLostError,
+    ChainBrokenError,
     NonFiniteInputError,
     NotServingError,
     PeerNotAllowedError,
@@ -35,6 +36,7 @@ WIRE_ERRORS = (
     StageFailedError,
     ActivationsLostError,
     NotServingError,
+    ChainBrokenError,
 )
 
 CHUNK_BYTES = DEFAULT_MAX_MSG_SIZE // 2

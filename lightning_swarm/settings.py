@@ -24,6 +24,7 @@ from lightning_swarm.node import LOOPBACK_MADDRS
 from lightning_swarm.server.out_of_core import OutOfCore, check_out_of_core
 
 Role = Literal["both", "serve", "drive"]
+Wiring = Literal["chain", "star"]
 ENV_PREFIX = "SWARM_"
 CAST = "cast"  # field metadata: turns a given value, or an environment variable's text, into the field's type
 
@@ -38,6 +39,13 @@ def as_list(value: Union[str, list[str]]) -> list[str]:
 def bytes_or_auto(value: Union[int, str]) -> Optional[int]:
     """A byte count, or None for ``"auto"`` (the component picks it)."""
     return None if str(value).strip().lower() == "auto" else int(value)
+
+
+def check_wiring(wiring: str) -> str:
+    """``wiring`` if it is ``"chain"`` or ``"star"``, else a ``ValueError`` naming the choices."""
+    if wiring not in ("chain", "star"):
+        raise ValueError(f"Unknown wiring {wiring!r}: choose 'chain' or 'star'")
+    return wiring
 
 
 def flag(value: Union[bool, str]) -> bool:
@@ -79,6 +87,12 @@ class SwarmSettings:
     compression: Codec = field(default="8bit", metadata={CAST: check_codec})
     """codec for activations and their gradients between stages: ``"8bit"`` (blockwise), ``"float16"`` or
     ``"none"``."""
+    wiring: Wiring = field(default="star", metadata={CAST: check_wiring})
+    """how a microbatch crosses the stages: ``"chain"``: the trainer sends it to a peer of the first stage, each
+    stage's peer sends its output on to a peer of the next (chosen as the trainer chooses: load-aware, at random)
+    and the trainer fetches the last stage's output from its peer; backward goes back the same way. The trainer's
+    link carries one transfer each way per microbatch instead of one per stage. ``"star"``: the trainer relays
+    every stage boundary itself. Default ``"star"``."""
     delayed_updates: bool = field(default=True, metadata={CAST: flag})
     """a stage's all-reduce and optimizer step run in the background while its peer keeps serving with the
     previous parameters; the new ones serve from the first forward after the step finished (one step of

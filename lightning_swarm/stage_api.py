@@ -4,7 +4,7 @@ other."""
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Optional, Protocol
+from typing import Any, AsyncIterator, Callable, Optional, Protocol
 
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
@@ -59,9 +59,35 @@ class LocalStage(Protocol):
 
 
 class Routes(Protocol):
-    """What a stage host asks of this peer's router: to call its own stage directly, and which stages have peers."""
+    """What a stage host asks of this peer's router: to call its own stage directly, and which stages have peers;
+    and what its stage server asks of it to hand a chained request on to the next stage
+    (:mod:`~lightning_swarm.server.onward`)."""
 
     local_server: Optional[LocalStage]
+
+    def call(
+        self,
+        stage: int,
+        method: str,
+        tensors: list,
+        metadata: dict,
+        batch: int,
+        prefer: Optional[str] = None,
+        check: Optional[Callable[[list], None]] = None,
+        report: Optional[Callable[[Any], None]] = None,
+        wait_timeout: Optional[float] = None,
+    ) -> tuple[list, str]: ...
+
+    def call_peer(
+        self,
+        stage: int,
+        peer: str,
+        method: str,
+        tensors: list,
+        metadata: dict,
+        batch: int,
+        check: Optional[Callable[[list], None]] = None,
+    ) -> list: ...
 
     def choose(self, stage: int, batch: int, exclude: frozenset = frozenset()) -> Optional[str]: ...
 

@@ -47,7 +47,7 @@ from lightning_swarm.optimizer import SwarmOptimizer, swarm_optimizer, target_ba
 from lightning_swarm.precision import check_precision
 from lightning_swarm.server.out_of_core import prepare_stage
 from lightning_swarm.server.stage_host import LEAVE_GRACE, Stage, StageHost
-from lightning_swarm.settings import Role, SwarmSettings
+from lightning_swarm.settings import Role, SwarmSettings, Wiring
 from lightning_swarm.signals import SignalGuard
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class SwarmStrategy(Strategy):
         stage: Optional[int] = None,
         target_batch_size: Optional[int] = None,
         compression: Optional[Codec] = None,
+        wiring: Optional[Wiring] = None,
         delayed_updates: Optional[bool] = None,
         microbatches: Optional[Union[int, Literal["auto"]]] = None,
         checkpoint_activations: Optional[bool] = None,
@@ -366,7 +367,7 @@ class SwarmStrategy(Strategy):
         spans = [(span.start, span.end) for span in self._spans]
         exact_dtype = not self.precision_plugin.precision.endswith("-mixed")  # under autocast the stage decides
         self._remote = RemotePipeline(
-            self.router, self.compression, self.microbatches, self._loss_scale, spans, exact_dtype
+            self.router, self.compression, self.microbatches, self._loss_scale, spans, exact_dtype, wiring=self.wiring
         )
         blocks = remote_blocks.stand_in(self._container, list(self._pipeline.names), self._remote, self._meta)
         partitioning.replace_pipeline(module, self._pipeline.path, blocks)

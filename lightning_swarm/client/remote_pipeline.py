@@ -41,9 +41,17 @@ from torch.utils import _pytree as pytree
 
 from lightning_swarm import block_calls, compression, protocol
 from lightning_swarm.block_calls import Call, MetaBlocks
+from lightning_swarm.chain_wiring import Receipt, ReceiptCheck
 from lightning_swarm.client.microbatch_tuning import Microbatches, MicrobatchTuner
 from lightning_swarm.client.routing import ReplyCheck, StageRouter
-from lightning_swarm.errors import CALLERS_FAULT, ActivationsLostError, NonFiniteInputError
+from lightning_swarm.errors import (
+    CALLERS_FAULT,
+    ActivationsLostError,
+    BadReplyError,
+    ChainBrokenError,
+    NonFiniteInputError,
+    StageUnavailableError,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -87,7 +95,7 @@ class Route:
 
     train: bool = True
     stages: list[int] = field(default_factory=list)
-    inputs: list[runtime_pb2.Tensor] = field(default_factory=list)
+    inputs: list[Optional[runtime_pb2.Tensor]] = field(default_factory=list)  # None: sent stage to stage
     peers: list[str] = field(default_factory=list)
     keys: list[Optional[str]] = field(default_factory=list)  # None: the forward was not kept (no backward expected)
     sides: list[Optional[Request]] = field(default_factory=list)
@@ -107,6 +115,9 @@ class RemotePipeline(nn.Module):
             otherwise any floating dtype (under autocast the stage decides).
         meta: the pipeline's blocks on the meta device, for :meth:`forward` to check replies against (None: only
             their sample count is checked).
+        wiring: ``"chain"``: a microbatch goes from stage to stage, the trainer sending only the first stage's
+            input (and side inputs of all) and collecting the last one's output (:mod:`~lightning_swarm.chain_wiring`);
+            ``"star"``: this process relays every boundary.
     """
 
     def __init__(
@@ -118,9 +129,11 @@ class RemotePipeline(nn.Module):
         spans: Optional[Sequence[tuple[int, int]]] = None,
         exact_dtype: bool = True,
         meta: Optional[MetaBlocks] = None,
+        wiring: str = "star",
     ) -> None:
         super().__init__()
         self.router, self.loss_scale, self.exact_dtype, self.meta = router, loss_scale, exact_dtype, meta
+        self.wiring = wiring
         self.spans = None if spans is None else [tuple(span) for span in spans]
         self.tuner = MicrobatchTuner(microbatches, router.num_stages)
         self.codec = compression.check_codec(codec)
@@ -248,17 +261,29 @@ class RemotePipeline(nn.Module):
         train: bool = True,
     ) -> tuple[torch.Tensor, Route]:
         """One microbatch through the hops; the last reply is decoded on the input's device, the others go on to the
-        next stage unread. A stage that finds NaN or Inf in the activation relayed to it blames the peer that sent
-        it: that hop runs again on another peer."""
-        route, hidden = Route(train), compression.encode(inputs, self.codec)
+        next stage unread (by this process, or under chain wiring by each stage's peer: if that chain breaks, the
+        microbatch is sent again relayed here). A stage that finds NaN or Inf in the activation relayed to it blames
+        the peer that sent it: that hop runs again on another peer."""
+        hidden = compression.encode(inputs, self.codec)
         self.router.stats.add(samples_sent=int(inputs.shape[0]) if inputs.ndim else 1)
+        if self.wiring == "chain" and len(hops) > 1:
+            route = Route(train, [hop.stage for _, hop in hops], [hidden] + [None] * (len(hops) - 1), sides=sides)
+            route.keys = [uuid.uuid4().hex if keep else None for _ in hops]
+            check = self._reply_check(int(hidden.size[0]), hops[-1][1], inputs.device)
+            try:
+                self._chain_forward(hidden, route, check)
+                return check.decoded, route
+            except (ChainBrokenError, BadReplyError, ActivationsLostError, StageUnavailableError) as e:
+                log.warning("Stage-to-stage forward failed (%r): relaying this microbatch instead", e)
+                self.router.failed_over(hops[0][1].stage, "forward", "chain", "star", e)
+        route = Route(train)
         blamed = 0
         while len(route.peers) < len(hops):
             index = len(route.peers)
             (_, hop), side = hops[index], sides[index]
             key = uuid.uuid4().hex if keep else None
             check = self._reply_check(int(hidden.size[0]), hop, inputs.device if index == len(hops) - 1 else None)
-            extra = ([], {}) if side is None else (side.tensors, side.metadata)
+            extra = _parts(side)
             if side is not None:
                 self.router.stats.add(side_bytes_sent=protocol.payload_bytes(side.tensors))
             try:
@@ -280,12 +305,82 @@ class RemotePipeline(nn.Module):
             hidden = reply
         return check.decoded, route
 
+    def _chain_forward(self, hidden: runtime_pb2.Tensor, route: Route, check: ReplyCheck) -> runtime_pb2.Tensor:
+        """Forward along ``route``'s stages, stage to stage; the peers that ran them go into ``route``. Returns the
+        last stage's output as its peer parked it, once ``check`` passed it."""
+        first, onward = route.sides[0], []
+        tensors = [hidden, *(first.tensors if first is not None else [])]
+        for stage, key, side in zip(route.stages[1:], route.keys[1:], route.sides[1:]):
+            onward.append({"stage": stage, "keep": key, "calls": None if side is None else side.metadata["calls"]})
+            onward[-1]["sides"] = 0 if side is None else len(side.tensors)
+            tensors.extend(side.tensors if side is not None else [])
+        for side in route.sides:
+            if side is not None:
+                self.router.stats.add(side_bytes_sent=protocol.payload_bytes(side.tensors))
+        own, chained = {"keep": route.keys[0], **(first.metadata if first is not None else {})}, self._chained(onward)
+        receipt = ReceiptCheck()
+        _, peer = self._call(route.stages[0], "forward", tensors, receipt, route.train, **own, **chained)
+        route.peers = [peer, *receipt.receipt.peers]
+        if len(route.peers) != len(route.stages):
+            raise BadReplyError(f"a receipt for {len(route.peers)} hops, expected {len(route.stages)}")
+        self._report(receipt.receipt)
+        return self._collect(route.stages[-1], route.peers[-1], chained["parcel"], check)
+
+    def _chain_backward(
+        self, hop: int, grad: runtime_pb2.Tensor, route: Route, loss_scale: Optional[float], device: torch.device
+    ) -> tuple[int, runtime_pb2.Tensor, Optional[torch.Tensor]]:
+        """Backward from ``hop`` down to the first hop, stage to stage along the peers that kept the forwards.
+        Returns ``(-1, input gradient, decoded)`` if it got there; else the hop whose peer could not take it (gone,
+        or it dropped the graph) and the gradient parked for that hop."""
+        onward = [{"stage": route.stages[i], "peer": route.peers[i], "kept": route.keys[i]} for i in range(hop)][::-1]
+        metadata = {"codec": self.codec, "train": route.train, "kept": route.keys[hop], **self._chained(onward)}
+        if loss_scale is not None:
+            metadata["loss_scale"] = loss_scale
+        receipt, batch, stage, peer = ReceiptCheck(), int(grad.size[0]), route.stages[hop], route.peers[hop]
+        try:
+            self.router.call_peer(stage, peer, "backward", [grad], metadata, batch, receipt)
+        except CALLERS_FAULT:
+            raise
+        except Exception as e:
+            log.info("Stage %d: backward on %s failed (%r): recomputing it", stage, peer, e)
+            return hop, grad, None
+        self._report(receipt.receipt)
+        reached = hop - len(receipt.receipt.peers)  # the hop whose peer holds the parcel
+        expected = route.peers[max(reached, 0) : hop][::-1]
+        if (
+            receipt.receipt.peers != expected
+            or reached < int(receipt.receipt.stopped)
+            or (reached > 0 and not receipt.receipt.stopped)
+        ):
+            raise BadReplyError(f"a receipt naming peers {receipt.receipt.peers} from hop {hop}")
+        if receipt.receipt.stopped:
+            parked = self._collect(route.stages[reached], route.peers[reached], metadata["parcel"], ReplyCheck(batch))
+            return reached - 1, parked, None
+        first = route.inputs[0]
+        check = ReplyCheck(batch, first.size, compression.decoded_dtype(first), loss_scale is None, device=device)
+        return -1, self._collect(route.stages[0], route.peers[0], metadata["parcel"], check), check.decoded
+
+    def _collect(self, stage: int, peer: str, parcel: str, check: ReplyCheck) -> runtime_pb2.Tensor:
+        """The parcel a chain parked on ``peer`` (of ``stage``), once ``check`` passed it."""
+        return self.router.call_peer(stage, peer, "forward", [], {"collect": parcel}, check.batch, check)[0]
+
+    def _chained(self, onward: list[dict]) -> dict:
+        """A chained request's metadata: its onward hops, a new parcel key, and this trainer as the origin."""
+        return {"onward": onward, "parcel": uuid.uuid4().hex, "origin": str(self.router.node.peer_id)}
+
+    def _report(self, receipt: Receipt) -> None:
+        """Count and report the failovers of a chain's stages as this router's own."""
+        for stage, method, failed, retried_on, error in receipt.failovers:
+            self.router.failed_over(stage, method, failed, retried_on, error)
+
     def _backward_route(
         self, grad_outputs: torch.Tensor, route: Route, loss_scale: Optional[float] = None
     ) -> torch.Tensor:
         """One microbatch back through its route; only the first hop's input gradient is decoded (on the output
         gradient's device). A stage that finds NaN or Inf in the gradient relayed to it (never under a loss scale,
         where NaN reports an overflow) blames the peer that computed it: that hop runs again on another peer."""
+        if any(hidden is None for hidden in route.inputs):
+            return self._backward_chain_route(grad_outputs, route, loss_scale)
         grads, hop, blamed = [compression.encode(grad_outputs, self.codec)], len(route.peers) - 1, 0
         while hop >= 0:
             device = grad_outputs.device if hop == 0 else None
@@ -303,6 +398,36 @@ class RemotePipeline(nn.Module):
             grads.append(grad)
             hop -= 1
         return decoded
+
+    def _backward_chain_route(
+        self, grad_outputs: torch.Tensor, route: Route, loss_scale: Optional[float]
+    ) -> torch.Tensor:
+        """One microbatch back along a chained route. Where a hop's peer could not take its gradient, that hop is
+        recomputed on a peer of its stage from its input (sent again through the hops before it, unkept, if this
+        process does not hold it) and the chain goes on from the hop before."""
+        grad, hop = compression.encode(grad_outputs, self.codec), len(route.peers) - 1
+        while True:
+            hop, grad, decoded = self._chain_backward(hop, grad, route, loss_scale, grad_outputs.device)
+            if hop < 0:
+                return decoded
+            if route.inputs[hop] is None:
+                route.inputs[hop] = self._chain_input(hop, route)
+            route.keys[hop] = None  # its peer is gone, or dropped the graph: recompute
+            self.router.stats.add(recomputed=1)
+            grad, decoded = self._backward_hop(hop, grad, route, loss_scale, grad_outputs.device if hop == 0 else None)
+            if hop == 0:
+                return decoded
+            hop -= 1
+
+    def _chain_input(self, hop: int, route: Route) -> runtime_pb2.Tensor:
+        """The input of ``hop`` again: the route's first input through the hops before it, unkept."""
+        again = Route(route.train, route.stages[:hop], [route.inputs[0]] + [None] * (hop - 1), sides=route.sides[:hop])
+        again.keys = [None] * hop
+        check = ReplyCheck(int(route.inputs[0].size[0]))
+        if hop > 1:
+            return self._chain_forward(route.inputs[0], again, check)
+        tensors, metadata = _parts(route.sides[0])
+        return self._call(route.stages[0], "forward", [route.inputs[0], *tensors], check, route.train, **metadata)[0]
 
     def _backward_hop(
         self,
@@ -334,7 +459,7 @@ class RemotePipeline(nn.Module):
                 peer, failed = None, e
             self.router.stats.add(recomputed=1)
         side = route.sides[hop]
-        extra = ([], {}) if side is None else (side.tensors, side.metadata)
+        extra = _parts(side)
         messages = [inputs, grad, *extra[0]]
         grad, retried_on = self._call(stage, "backward", messages, check, route.train, peer, **scaled, **extra[1])
         if failed is not None:
@@ -383,6 +508,11 @@ class _RemoteStages(torch.autograd.Function):
         if not ctx.needs_input_grad[2]:
             return None, None, None, None
         return None, None, grad_inputs.to(device=ctx.input_device, dtype=ctx.input_dtype), None
+
+
+def _parts(side: Optional[Request]) -> tuple[list[runtime_pb2.Tensor], dict]:
+    """A hop's side inputs as a request carries them: tensors after the activation, and metadata."""
+    return ([], {}) if side is None else (side.tensors, side.metadata)
 
 
 def _side_tensors(calls: list[Call]) -> list[torch.Tensor]:

@@ -41,6 +41,7 @@ from lightning_swarm.errors import (
     CALLERS_FAULT,
     ActivationsLostError,
     BadReplyError,
+    ChainBrokenError,
     StageBusyError,
     StageUnavailableError,
 )
@@ -228,13 +229,18 @@ class StageRouter:
         batch: int,
         prefer: Optional[str] = None,
         check: Optional[Callable[[Reply], None]] = None,
+        report: Optional[Callable[[events.Failover], None]] = None,
+        wait_timeout: Optional[float] = None,
     ) -> tuple[Reply, str]:
         """Run ``method`` of ``stage`` on some peer, failing over to others; returns the reply and the peer used.
 
         Peers that fail (``check`` refusing their reply included) count towards ``max_retries``; while the stage has
         no usable peer at all, or its peers answer busy (a full queue, out of memory), this waits for one (up to
-        ``stage_wait_timeout`` seconds) instead. What was the caller's fault (``CALLERS_FAULT``) raises at once.
+        ``wait_timeout`` seconds, by default ``stage_wait_timeout``) instead. What was the caller's fault
+        (``CALLERS_FAULT``) raises at once, as does a broken chain of stage-to-stage sends. A failover is reported
+        to ``report`` too.
         """
+        wait_timeout = self.stage_wait_timeout if wait_timeout is None else wait_timeout
         if prefer is not None and self._banned(stage, prefer):
             prefer = None
         tried: list[str] = []
@@ -253,26 +259,26 @@ class StageRouter:
                 peer = self.choose(stage, batch)
             if peer is None:
                 waiting_since = waiting_since or time.monotonic()
-                self._wait_for_peer(stage, waiting_since, last_error)
+                self._wait_for_peer(stage, waiting_since, last_error, wait_timeout)
                 continue
             # waiting_since is kept: a banned peer retried once its ban expired (a dead one, whose record has not
             # expired yet) must not restart the count towards stage_wait_timeout
             try:
                 reply = self.call_peer(stage, peer, method, tensors, metadata, batch, check)
                 if last_error is not None:
-                    self.failed_over(stage, method, failed_peer, peer, last_error)
+                    self.failed_over(stage, method, failed_peer, peer, last_error, report)
                 return reply, peer
-            except (*CALLERS_FAULT, ActivationsLostError):
+            except (*CALLERS_FAULT, ActivationsLostError, ChainBrokenError):
                 raise
             except StageBusyError as e:  # overloaded (queue full, out of memory): the others, then it again, later
                 last_error, failed_peer = e, peer
                 tried.append(peer)
                 busy += 1
                 busy_since = busy_since or time.monotonic()
-                if time.monotonic() - busy_since >= self.stage_wait_timeout:
+                if time.monotonic() - busy_since >= wait_timeout:
                     raise StageUnavailableError(
                         f"Stage {stage} of run {self.run_id!r}: its peers answered busy for "
-                        f"{self.stage_wait_timeout:g}s (stage_wait_timeout; last answer: {e!r})"
+                        f"{wait_timeout:g}s (stage_wait_timeout; last answer: {e!r})"
                     ) from None
             except Exception as e:
                 last_error, failed_peer = e, peer
@@ -284,22 +290,36 @@ class StageRouter:
                         f"(peers tried: {tried}; last error: {e!r})"
                     ) from None
 
-    def failed_over(self, stage: int, method: str, failed: str, retried_on: str, error: BaseException) -> None:
-        """Count a microbatch retried on another peer, and report it to ``on_event``."""
+    def failed_over(
+        self,
+        stage: int,
+        method: str,
+        failed: str,
+        retried_on: str,
+        error: BaseException | str,
+        report: Optional[Callable[[events.Failover], None]] = None,
+    ) -> None:
+        """Count a microbatch retried on another peer, and report it to ``on_event`` (and ``report``)."""
         self.stats.failovers += 1
-        if self.on_event is not None:
-            self.on_event(events.Failover(stage, method, failed, retried_on, repr(error)))
+        event = events.Failover(stage, method, failed, retried_on, error if isinstance(error, str) else repr(error))
+        for receiver in (self.on_event, report):
+            if receiver is not None:
+                receiver(event)
 
-    def _wait_for_peer(self, stage: int, since: float, last_error: Optional[BaseException]) -> None:
-        """Sleep a little while ``stage`` has no usable peer; raise once it had none for ``stage_wait_timeout``."""
+    def _wait_for_peer(
+        self, stage: int, since: float, last_error: Optional[BaseException], wait_timeout: Optional[float] = None
+    ) -> None:
+        """Sleep a little while ``stage`` has no usable peer; raise once it had none for ``wait_timeout`` seconds
+        (by default ``stage_wait_timeout``)."""
+        wait_timeout = self.stage_wait_timeout if wait_timeout is None else wait_timeout
         now = time.monotonic()
         waited = now - since
         if self.stop is not None and self.stop.is_set():
             raise StageUnavailableError(f"Stage {stage} of run {self.run_id!r} has no live peer; this peer is leaving")
-        if waited >= self.stage_wait_timeout:
+        if waited >= wait_timeout:
             raise StageUnavailableError(
                 f"Stage {stage} of run {self.run_id!r} has had no live peer for {waited:.0f}s "
-                f"(stage_wait_timeout={self.stage_wait_timeout:g}s): start a peer that serves stage {stage}, or "
+                f"(stage_wait_timeout={wait_timeout:g}s): start a peer that serves stage {stage}, or "
                 f"raise stage_wait_timeout (SWARM_STAGE_WAIT_TIMEOUT)"
                 + (f"; last error: {last_error!r}" if last_error is not None else "")
             )
@@ -311,7 +331,7 @@ class StageRouter:
                 waited,
                 self.stage_wait_timeout,
             )
-        time.sleep(min(1.0, max(0.05, self.stage_wait_timeout - waited)))
+        time.sleep(min(1.0, max(0.05, wait_timeout - waited)))
 
     def call_peer(
         self,
@@ -330,7 +350,7 @@ class StageRouter:
             if check is not None:
                 check(reply)
             return reply
-        except (*CALLERS_FAULT, ActivationsLostError, StageBusyError):
+        except (*CALLERS_FAULT, ActivationsLostError, StageBusyError, ChainBrokenError):
             raise
         except Exception as e:
             self.blame(stage, peer, repr(e))

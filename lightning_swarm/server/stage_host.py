@@ -147,11 +147,15 @@ class StageHost:
         )
         if self.router is not None:
             self.router.local_server = self.server
+            self.server.onward.routes = self.router
 
     def use_router(self, router: Routes) -> None:
-        """Let ``router`` call this peer's own stage without the network (and follow this peer's moves)."""
+        """Let ``router`` call this peer's own stage without the network (and follow this peer's moves), and the
+        stage server hand chained requests on through it."""
         self.router = router
         router.local_server = self.server
+        if self.server is not None:
+            self.server.onward.routes = router
 
     def _start_announcer(self) -> None:
         self._announcer = Announcer(

@@ -39,10 +39,11 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 from torch import nn
 
-from lightning_swarm import block_calls, compression, device_sync, protocol, security
+from lightning_swarm import block_calls, chain_wiring, compression, device_sync, protocol, security
 from lightning_swarm.block_calls import Call
 from lightning_swarm.errors import (
     ActivationsLostError,
+    ChainBrokenError,
     NonFiniteInputError,
     NotServingError,
     StageBusyError,
@@ -56,6 +57,7 @@ from lightning_swarm.protocol import stage_uid
 from lightning_swarm.security import AccessPolicy
 from lightning_swarm.server import device_memory
 from lightning_swarm.server.backend import StageBackend, StageOptimizer
+from lightning_swarm.server.onward import Onward
 from lightning_swarm.server.runtime import StageRuntime, out_of_memory, refuse
 from lightning_swarm.server.task_pool import Task, TaskPool
 from lightning_swarm.stage_api import StageService
@@ -146,6 +148,7 @@ class StageServer(StageService):
         self._busy_at_once = RateLimit(1.0)  # a caller's first busy answer each second is sent at once
         self._held = 0  # busy answers being held (counted on the event loop only)
         self.runtime = StageRuntime(self.backend, self._tasks, self._overloaded, idle_period, throttle)
+        self.onward = Onward(stage, 4 * max_request_bytes)  # hands chained requests on; its router is set later
 
     @property
     def throughput(self):
@@ -256,17 +259,29 @@ class StageServer(StageService):
         try:
             self._check_uid(request.uid)
             metadata = protocol.decode_metadata(request.metadata)
+            parcel = chain_wiring.collect_key(metadata)
+            if parcel is not None:
+                if kind != "forward" or len(request.tensors):
+                    raise SwarmRequestError("a parcel is collected by a forward request without tensors")
+                return [self.onward.parcels.take(parcel)]
             codec = str(metadata.get("codec", "none"))
             if codec not in compression.CODECS:
                 raise SwarmRequestError(f"unknown compression {codec!r}")
             key = metadata.get("keep" if kind == "forward" else "kept")
             if key is not None and not (isinstance(key, str) and 0 < len(key) <= 64):
                 raise SwarmRequestError("a kept forward's key must be a string of 1 to 64 characters")
+            chained = chain_wiring.is_chained(metadata)
+            hops = chain_wiring.onward_hops(metadata, kind) if chained else []
+            passed = sum(hop.get("sides", 0) for hop in hops)  # side inputs of the hops after this one
+            if passed > len(request.tensors):
+                raise SwarmRequestError(f"onward hops claim {passed} side inputs of {len(request.tensors)} tensors")
+            split = len(request.tensors) - passed
+            tensors, onward = request.tensors[:split], request.tensors[split:]
             expected = 1 if kind == "forward" or key is not None else 2
             tree = self._side_inputs_tree(metadata)
-            if len(request.tensors) < expected or (tree is None and len(request.tensors) != expected):
-                raise SwarmRequestError(f"{kind} expects {expected} tensor(s), got {len(request.tensors)}")
-            self._check_shapes(request.tensors[:expected], request.tensors[expected:])
+            if len(tensors) < expected or (tree is None and len(tensors) != expected):
+                raise SwarmRequestError(f"{kind} expects {expected} tensor(s), got {len(tensors)}")
+            self._check_shapes(tensors[:expected], [*tensors[expected:], *onward])
             if not self._tasks.admits(caller):  # before its tensors cost any decoding
                 raise self._busy()
             loss_scale = self._loss_scale(kind, metadata)
@@ -275,12 +290,14 @@ class StageServer(StageService):
             train = bool(metadata.get("train", True))
             loop = asyncio.get_running_loop()  # decoding and encoding run beside it, not on it
             task = await loop.run_in_executor(
-                None, self._decode_request, kind, request.tensors, expected, finite, tree, key, loss_scale, train
+                None, self._decode_request, kind, tensors, expected, finite, tree, key, loss_scale, train
             )
-            self._submit(caller, task, key)
+            self._submit(caller, task, key, metadata["origin"] if chained else caller)
             output, done = await asyncio.wrap_future(task.future)
             encoded = await loop.run_in_executor(None, self._encode, output, done, codec)
-        except (ActivationsLostError, NotServingError):
+            if chained:
+                encoded = await self.onward.hand_on(kind, encoded, metadata, hops, onward, task.batch)
+        except (ActivationsLostError, NotServingError, ChainBrokenError):
             raise  # expected when the caller's view is stale: no log line
         except StageBusyError as e:
             if self._busy_lines((caller, str(e))):  # a caller's first busy answer of each kind is always logged
@@ -433,12 +450,12 @@ class StageServer(StageService):
             raise NonFiniteInputError("tensor contains NaN or Inf")
         return tensor
 
-    def _submit(self, caller: str, task: Task, key: Optional[str]) -> None:
+    def _submit(self, caller: str, task: Task, key: Optional[str], owner: str) -> None:
         """Queue a decoded request for the runtime (the caller's fair share of the queue kept); ``key``: the kept
-        forward it keeps or uses, the caller's own."""
+        forward it keeps or uses, ``owner``'s (the caller's own; a chained request's, its trainer's)."""
         if not self.runtime.is_alive():
             raise StageFailedError(f"stage {self.stage}'s worker is not running")
-        task.key = None if key is None else (caller, key)
+        task.key = None if key is None else (owner, key)
         try:
             displaced = self._tasks.put(caller, task)
         except queue.Full:
@@ -484,5 +501,6 @@ class StageServer(StageService):
         for task in self._tasks.close():
             refuse(task.future, StageBusyError(f"stage {self.stage} is shutting down"))
         self.runtime.join(timeout=30)
+        self.onward.close()
         self.kept.clear()
         device_memory.dump(self._snapshot_path)

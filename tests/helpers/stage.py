@@ -81,6 +81,7 @@ class InProcessNode:
     """Stands in for a SwarmNode: runs the router's coroutines to completion in the calling thread."""
 
     policy = None
+    peer_id = "trainer"
 
     @staticmethod
     def run(coroutine, timeout=None):

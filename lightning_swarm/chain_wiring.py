@@ -1,0 +1,120 @@
+"""Stage-to-stage ("chain") wiring, as the SWARM paper wires a pipeline: the wire format that trainers and stage
+servers share. ``client/`` and ``server/`` both import this leaf module.
+
+The trainer sends a microbatch to a peer of the first stage; each stage's peer sends its output on to a peer of the
+next stage, and the peer of the last stage *parks* its output for the trainer, which collects it with one more
+request. Backward goes the same way back, to the peers that kept the forwards. So the trainer's link carries the
+microbatch once each way, whatever the number of stages, instead of once per stage boundary each way.
+
+A chained request's metadata carries, besides what any request does:
+
+- ``"parcel"``: the key under which the hop that ends the chain parks what it returns (random, made by the trainer:
+  whoever knows it may collect the parcel once);
+- ``"onward"``: the hops after this one. Forward: ``{"stage", "keep", "calls", "sides"}`` (the key to keep the
+  forward under, the blocks' side inputs and how many of the request's last tensors are that hop's side inputs,
+  as the trainer would send them itself); backward: ``{"stage", "peer", "kept"}`` (the peer that kept the forward);
+- ``"origin"``: the trainer whose kept forwards these are, as the key's scope on every hop (a kept forward is
+  stored by one caller and used by another, its backward coming from the next stage's peer).
+
+Its reply is a :class:`Receipt`. A collect request is a forward with ``{"collect": parcel}`` and no tensor; its
+reply is the parcel as the parking hop encoded it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from hivemind.utils import MSGPackSerializer
+
+from lightning_swarm import compression
+from lightning_swarm.errors import BadReplyError, SwarmRequestError
+
+MAX_HOPS = 256  # more onward hops than any pipeline has stages: refused
+MAX_KEY = 64  # characters of a parcel key, a kept forward's key or an origin
+
+
+@dataclass
+class Receipt:
+    """What a chained request's hop answers once the chain ended: the peers that ran the hops after it, as far as
+    the chain went (the last holds the parcel); whether a backward stopped there because its next hop's peer could
+    not take it (then the parcel is the gradient for that hop: the trainer recomputes it); and the failovers on the
+    way, as ``[stage, method, failed peer, peer retried on, error]``."""
+
+    peers: list[str] = field(default_factory=list)
+    stopped: bool = False
+    failovers: list[list] = field(default_factory=list)
+
+    def after(self, peer: str, failovers: list[list]) -> Receipt:
+        """This receipt as the hop before ``peer`` answers it, with the failovers of its own call."""
+        return Receipt([peer, *self.peers], self.stopped, [*failovers, *self.failovers])
+
+    def encode(self) -> compression.WireTensor:
+        raw = MSGPackSerializer.dumps({"peers": self.peers, "stopped": self.stopped, "failovers": self.failovers})
+        return compression.encode(torch.frombuffer(bytearray(raw), dtype=torch.uint8), "none")
+
+    @classmethod
+    def read(cls, reply: list) -> Receipt:
+        """The receipt in a hop's reply; :class:`BadReplyError` if the reply is not one."""
+        if len(reply) != 1:
+            raise BadReplyError(f"a chained reply of {len(reply)} tensors, expected a receipt")
+        try:
+            if compression.decoded_dtype(reply[0]) != torch.uint8 or len(reply[0].size) != 1:
+                raise ValueError("not a receipt")
+            raw = compression.deserialize(reply[0]).numpy().tobytes()
+            content = MSGPackSerializer.loads(raw)
+            peers, stopped, failovers = content["peers"], content["stopped"], content["failovers"]
+        except Exception as e:
+            raise BadReplyError(f"an unreadable receipt: {e!r:.200}") from None
+        if not (isinstance(peers, list) and len(peers) <= MAX_HOPS and all(_is_key(p, 128) for p in peers)):
+            raise BadReplyError("a receipt whose peers are not a list of peer ids")
+        if not isinstance(stopped, bool) or not isinstance(failovers, list):
+            raise BadReplyError("a malformed receipt")
+        return cls(peers, stopped, [list(f) for f in failovers[:MAX_HOPS] if isinstance(f, list) and len(f) == 5])
+
+
+class ReceiptCheck:
+    """A router's check of a chained request's reply: a readable receipt, kept in ``receipt``."""
+
+    def __init__(self) -> None:
+        self.receipt: Optional[Receipt] = None
+
+    def __call__(self, reply: list) -> None:
+        self.receipt = Receipt.read(reply)
+
+
+def is_chained(metadata: dict) -> bool:
+    return "parcel" in metadata
+
+
+def onward_hops(metadata: dict, kind: str) -> list[dict]:
+    """The hops after this one, as a chained request lists them, checked (``SwarmRequestError`` otherwise)."""
+    key = metadata.get("parcel")
+    hops = metadata.get("onward")
+    if not _is_key(key) or not isinstance(hops, list) or len(hops) > MAX_HOPS:
+        raise SwarmRequestError("a chained request names a parcel key and a list of onward hops")
+    if not _is_key(metadata.get("origin")):
+        raise SwarmRequestError("a chained request names its origin")
+    for hop in hops:
+        if not isinstance(hop, dict) or not isinstance(hop.get("stage"), int) or isinstance(hop["stage"], bool):
+            raise SwarmRequestError("an onward hop names its stage")
+        if kind == "forward":
+            sides, keep = hop.get("sides", 0), hop.get("keep")
+            if not isinstance(sides, int) or sides < 0 or not (keep is None or _is_key(keep)):
+                raise SwarmRequestError("an onward forward hop has a count of side inputs and an optional key")
+        elif not (_is_key(hop.get("peer"), 128) and _is_key(hop.get("kept"))):
+            raise SwarmRequestError("an onward backward hop names the peer and the key of the kept forward")
+    return hops
+
+
+def collect_key(metadata: dict) -> Optional[str]:
+    """The parcel a collect request asks for, or None for any other request."""
+    key = metadata.get("collect")
+    if key is not None and not _is_key(key):
+        raise SwarmRequestError(f"a parcel key is a string of 1 to {MAX_KEY} characters")
+    return key
+
+
+def _is_key(value: Any, longest: int = MAX_KEY) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= longest

@@ -1,0 +1,153 @@
+"""Stage-to-stage sends: a stage server hands a chained request's output on to a peer of the next hop's stage
+(:mod:`~lightning_swarm.chain_wiring`), and parks the output of the hop that ends the chain for the trainer.
+
+Forward: the next peer is chosen by this peer's router as a trainer's router chooses (load-aware, at random), with
+the same failover to other peers of that stage. If none takes it within ``wait_timeout`` seconds, the request fails
+with :class:`~lightning_swarm.errors.ChainBrokenError` and the trainer relays that microbatch itself. A next stage
+that finds NaN or Inf in the output refuses it: this peer made it, so it reports its own failure
+(:class:`~lightning_swarm.errors.StageFailedError`) and its caller fails over to another peer of this stage.
+Backward goes to the peer that kept the forward, named by the trainer; if that peer cannot take it (gone, or it
+dropped the forward's graph), the gradient is parked here and the receipt says the chain stopped: the trainer
+recomputes that hop from its input. A peer calling a peer is authenticated, authorized and queued like any caller.
+
+The handing on runs on threads of its own (routers block), so the event loop goes on serving meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+from lightning_swarm import compression
+from lightning_swarm.chain_wiring import Receipt, ReceiptCheck
+from lightning_swarm.errors import (
+    CALLERS_FAULT,
+    ActivationsLostError,
+    ChainBrokenError,
+    NonFiniteInputError,
+    StageFailedError,
+)
+from lightning_swarm.events import Failover
+from lightning_swarm.stage_api import Routes
+
+log = logging.getLogger(__name__)
+
+MAX_HANDING_ON = 64  # chained requests handed on at once; more wait for a thread
+PARCEL_TTL = 60.0  # seconds a parked output waits for the trainer to collect it
+PASSED_ON = ("codec", "train", "origin", "parcel", "loss_scale")  # what every hop's request repeats
+
+
+class Parcels:
+    """Outputs parked for their trainer, bounded by ``max_bytes`` (the oldest go first) and ``ttl`` seconds."""
+
+    def __init__(self, max_bytes: int, ttl: float = PARCEL_TTL) -> None:
+        self.max_bytes, self.ttl, self.nbytes = max_bytes, ttl, 0
+        self._entries: OrderedDict[str, tuple[float, compression.WireTensor]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def park(self, key: str, tensor: compression.WireTensor) -> None:
+        with self._lock:
+            self._drop(self._entries.pop(key, None))
+            self._entries[key] = (time.monotonic(), tensor)
+            self.nbytes += len(tensor.buffer)
+            now = time.monotonic()
+            while self._entries and (
+                self.nbytes > self.max_bytes or now - next(iter(self._entries.values()))[0] > self.ttl
+            ):
+                self._drop(self._entries.popitem(last=False)[1])
+
+    def take(self, key: str) -> compression.WireTensor:
+        """The parcel under ``key``, once; :class:`ActivationsLostError` if there is none (expired, or taken)."""
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            self._drop(entry)
+        if entry is None:
+            raise ActivationsLostError(f"no parcel {key!r} here: it expired or was collected")
+        return entry[1]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _drop(self, entry: Optional[tuple[float, compression.WireTensor]]) -> None:
+        if entry is not None:
+            self.nbytes -= len(entry[1].buffer)
+
+
+class Onward:
+    """Hands a stage server's chained requests on (see the module docstring). ``routes``: this peer's router, set
+    once it has one; ``wait_timeout``: seconds to find a peer of the next stage before the chain is broken."""
+
+    def __init__(self, stage: int, max_parcel_bytes: int, wait_timeout: float = 10.0) -> None:
+        self.stage, self.wait_timeout = stage, wait_timeout
+        self.routes: Optional[Routes] = None
+        self.parcels = Parcels(max_parcel_bytes)
+        self._pool = ThreadPoolExecutor(MAX_HANDING_ON, "swarm-onward")
+
+    async def hand_on(
+        self, kind: str, output: compression.WireTensor, metadata: dict, hops: list[dict], sides: list, batch: int
+    ) -> compression.WireTensor:
+        """The receipt for a chained request whose own hop made ``output``: parked if the chain ends here, else
+        after the next hop took it (with ``sides``, the side inputs of the hops after this one)."""
+        if not hops:
+            self.parcels.park(metadata["parcel"], output)
+            return Receipt().encode()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._hand_on, kind, output, metadata, hops, sides, batch)
+
+    def _hand_on(
+        self, kind: str, output: compression.WireTensor, metadata: dict, hops: list[dict], sides: list, batch: int
+    ) -> compression.WireTensor:
+        routes, (hop, rest) = self.routes, (hops[0], hops[1:])
+        request = {name: metadata[name] for name in PASSED_ON if name in metadata} | {"onward": rest}
+        check = ReceiptCheck()
+        if routes is None:
+            raise ChainBrokenError(f"the peer of stage {self.stage} has no router to reach stage {hop['stage']}")
+        if kind == "backward":
+            return self._backward(routes, hop, output, request | {"kept": hop["kept"]}, batch, check)
+        request |= {name: hop[name] for name in ("keep", "calls") if hop.get(name) is not None}
+        failovers: list[list] = []
+        try:
+            _, peer = routes.call(
+                hop["stage"],
+                "forward",
+                [output, *sides],
+                request,
+                batch,
+                check=check,
+                report=lambda event: failovers.append(_listed(event)),
+                wait_timeout=self.wait_timeout,
+            )
+        except NonFiniteInputError:
+            raise StageFailedError(f"stage {self.stage} made an output with NaN or Inf") from None
+        except (*CALLERS_FAULT, ChainBrokenError):
+            raise
+        except Exception as e:
+            raise ChainBrokenError(f"stage {self.stage} could not hand on to stage {hop['stage']}: {e!r}") from None
+        return check.receipt.after(peer, failovers).encode()
+
+    def _backward(
+        self, routes: Routes, hop: dict, grad: compression.WireTensor, request: dict, batch: int, check: ReceiptCheck
+    ) -> compression.WireTensor:
+        try:
+            routes.call_peer(hop["stage"], hop["peer"], "backward", [grad], request, batch, check)
+        except NonFiniteInputError:
+            raise StageFailedError(f"stage {self.stage} made a gradient with NaN or Inf") from None
+        except CALLERS_FAULT:
+            raise
+        except Exception as e:
+            log.info("Stage %d: backward to %s failed (%r): parked for the trainer", self.stage, hop["peer"], e)
+            self.parcels.park(request["parcel"], grad)
+            return Receipt(stopped=True).encode()
+        return check.receipt.after(hop["peer"], []).encode()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _listed(event: Failover) -> list:
+    return [event.stage, event.method, event.failed_peer, event.retried_on, event.error[:300]]

@@ -1,0 +1,202 @@
+"""Stage-to-stage ("chain") wiring with real stage servers in process: each server hands its output on through a
+router of its own, the trainer sends only the first stage's input and collects the last stage's output. Exact
+against plain computation and against star wiring; the failure paths (a lost kept forward, a failing or missing
+next-stage peer, NaN made by a stage) end as star wiring's do."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers.stage import PeersRouter
+
+from lightning_swarm import compression
+from lightning_swarm.block_calls import MetaBlocks
+from lightning_swarm.chain_wiring import Receipt, onward_hops
+from lightning_swarm.client.remote_pipeline import RemotePipeline
+from lightning_swarm.errors import BadReplyError, StageFailedError, SwarmRequestError
+from lightning_swarm.server.stage_server import StageServer
+
+CPU = torch.device("cpu")
+SPANS = [(0, 1), (1, 2), (2, 3)]
+
+
+class Failing:
+    """A stage peer whose every request fails on its side."""
+
+    calls = 0
+
+    async def answer_tensors(self, kind, request, caller):
+        self.calls += 1
+        raise StageFailedError("this peer's worker died")
+
+
+def stage(index: int, module: torch.nn.Module | None = None) -> StageServer:
+    torch.manual_seed(index)
+    return StageServer("run", index, module or torch.nn.Linear(8, 8), CPU)
+
+
+def swarm(stages: list[dict], first: tuple = (), servers_see: list[dict] | None = None) -> PeersRouter:
+    """The trainer's router over ``stages``; every real server hands on through a router of its own over
+    ``servers_see`` (default: the same peers)."""
+    onward = PeersRouter(servers_see or stages, first)
+    for peers in stages:
+        for server in peers.values():
+            if isinstance(server, StageServer):
+                server.onward.routes = onward
+                server.onward.wait_timeout = 0.2
+    return PeersRouter(stages, first)
+
+
+def pipeline(router: PeersRouter, modules: list, wiring: str = "chain", microbatches: int = 2) -> RemotePipeline:
+    return RemotePipeline(router, "none", microbatches, spans=SPANS, meta=MetaBlocks(modules), wiring=wiring)
+
+
+def plain(modules: list, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and input gradient of the modules run in this process."""
+    x = x.detach().clone().requires_grad_()
+    y = x
+    for module in modules:
+        y = module(y)
+    y.square().sum().backward()
+    return y.detach(), x.grad
+
+
+def run(remote: RemotePipeline, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.detach().clone().requires_grad_()
+    y = remote(x)
+    y.square().sum().backward()
+    return y.detach(), x.grad
+
+
+def shutdown(router: PeersRouter) -> None:
+    for server in router.servers.values():
+        if isinstance(server, StageServer):
+            server.shutdown()
+
+
+def test_chain_equals_plain_and_star_and_the_trainer_sends_each_microbatch_once():
+    """3 stages: output and input gradient equal plain computation's and star wiring's, exactly; the trainer's own
+    calls carry the input and output gradient once per microbatch (a third of star's bytes sent), its stage-0
+    calls keep the forwards under this trainer's name on every hop, and no parcel or kept forward is left."""
+    servers = [stage(k) for k in range(3)]
+    modules = [s.module for s in servers]
+    x = torch.randn(8, 8)
+    expected = plain(modules, x)
+    chain_router = swarm([{f"p{k}": s} for k, s in enumerate(servers)])
+    star_router = PeersRouter([{f"p{k}": s} for k, s in enumerate(servers)])
+    try:
+        chained = run(pipeline(chain_router, modules), x)
+        starred = run(pipeline(star_router, modules, "star"), x)
+        for got in (chained, starred):
+            torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+            torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
+        # per microbatch: a forward to stage 0 and a backward to stage 2, each with a collect of the parcel
+        assert chain_router.stats.calls == 2 * 4 and star_router.stats.calls == 2 * 6
+        assert star_router.stats.bytes_sent == 3 * chain_router.stats.bytes_sent
+        assert all(len(s.kept) == 0 and len(s.onward.parcels) == 0 for s in servers)
+        assert chain_router.stats.failovers == chain_router.stats.recomputed == 0
+    finally:
+        shutdown(chain_router)
+
+
+def test_a_kept_forward_lost_mid_chain_is_recomputed_and_the_chain_goes_on():
+    """Stage 1's peer drops its kept forwards before backward: stage 2 cannot hand its gradient on, parks it, and
+    the trainer recomputes stage 1 from its input (sent again through stage 0, unkept), then goes on to stage 0.
+    The input gradient equals plain computation's; each microbatch counts one recomputation."""
+    servers = [stage(k) for k in range(3)]
+    modules = [s.module for s in servers]
+    x = torch.randn(8, 8)
+    expected = plain(modules, x)
+    router = swarm([{f"p{k}": s} for k, s in enumerate(servers)])
+    try:
+        remote = pipeline(router, modules)
+        x_ = x.clone().requires_grad_()
+        y = remote(x_)
+        servers[1].kept.clear()
+        y.square().sum().backward()
+        torch.testing.assert_close(x_.grad, expected[1], rtol=0, atol=0)
+        assert router.stats.recomputed == 2 and not any(len(s.onward.parcels) for s in servers)
+    finally:
+        shutdown(router)
+
+
+def test_a_failing_next_stage_peer_fails_over_inside_the_chain_and_the_trainer_hears_of_it():
+    """Stage 0's peer hands its output to a failing peer of stage 1 first, then to the other: the result is exact,
+    and the failover reaches the trainer's router (counted, and as an event) through the receipt."""
+    servers = [stage(k) for k in range(3)]
+    modules = [s.module for s in servers]
+    x = torch.randn(8, 8)
+    failing = Failing()
+    router = swarm([{"p0": servers[0]}, {"bad": failing, "p1": servers[1]}, {"p2": servers[2]}], first=("bad",))
+    heard = []
+    router.on_event = heard.append
+    try:
+        got = run(pipeline(router, modules, microbatches=1), x)
+        torch.testing.assert_close(got[1], plain(modules, x)[1], rtol=0, atol=0)
+        assert failing.calls == 1 and router.stats.failovers == 1
+        assert [(e.stage, e.failed_peer, e.retried_on) for e in heard] == [(1, "bad", "p1")]
+    finally:
+        shutdown(router)
+
+
+def test_a_chain_with_no_peer_for_a_stage_breaks_and_the_trainer_relays_the_microbatch():
+    """The servers see no peer of stage 2 (their view is stale): stage 1's peer gives up after its wait, the chain
+    is broken without blaming anyone, and the trainer relays that microbatch itself. Exact; one failover each."""
+    servers = [stage(k) for k in range(3)]
+    modules = [s.module for s in servers]
+    x = torch.randn(8, 8)
+    stages = [{f"p{k}": s} for k, s in enumerate(servers)]
+    router = swarm(stages, servers_see=[stages[0], stages[1], {}])
+    try:
+        got = run(pipeline(router, modules), x)
+        torch.testing.assert_close(got[0], plain(modules, x)[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], plain(modules, x)[1], rtol=0, atol=0)
+        assert router.stats.failovers == 2 and router.stats.failed == {}
+    finally:
+        shutdown(router)
+
+
+class NaNs(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * math.nan
+
+
+def test_nan_made_by_a_stage_is_its_peers_fault_and_its_hop_runs_elsewhere():
+    """Stage 0's first peer makes NaN: stage 1 refuses it, that peer reports its own failure, and the trainer bans
+    it and sends the microbatch to the honest peer of stage 0."""
+    servers = [stage(k) for k in range(3)]
+    modules = [s.module for s in servers]
+    liar = stage(0, NaNs())
+    router = swarm([{"liar": liar, "p0": servers[0]}, {"p1": servers[1]}, {"p2": servers[2]}], first=("liar",))
+    try:
+        with torch.no_grad():
+            y = pipeline(router, modules, microbatches=1)(torch.ones(4, 8))
+        torch.testing.assert_close(y, plain(modules, torch.ones(4, 8))[0])
+        assert router.banned("liar") and router.stats.failed == {"liar": 1}
+    finally:
+        shutdown(router)
+        liar.shutdown()
+
+
+def test_a_receipt_is_checked_and_onward_hops_are_validated():
+    encoded = Receipt(["a", "b"], False, [[1, "forward", "x", "y", "e"]]).encode()
+    assert Receipt.read([encoded]) == Receipt(["a", "b"], False, [[1, "forward", "x", "y", "e"]])
+    assert Receipt.read([encoded]).after("z", []).peers == ["z", "a", "b"]
+    for reply in ([], [encoded, encoded], [compression.encode(torch.ones(3), "none")]):
+        with pytest.raises(BadReplyError):
+            Receipt.read(reply)
+    good = {"parcel": "k", "origin": "t", "onward": [{"stage": 1, "keep": "a", "sides": 0}]}
+    assert onward_hops(good, "forward") == good["onward"]
+    for bad in (
+        {**good, "onward": "x"},
+        {**good, "origin": None},
+        {**good, "onward": [{"stage": "1"}]},
+        {**good, "onward": [{"stage": 1, "sides": -1}]},
+        {**good, "parcel": "k" * 65},
+    ):
+        with pytest.raises(SwarmRequestError):
+            onward_hops(bad, "forward")
+    with pytest.raises(SwarmRequestError):  # a backward hop names the peer that kept the forward
+        onward_hops({**good, "onward": [{"stage": 1, "kept": "a"}]}, "backward")
