@@ -253,6 +253,7 @@ class History(SwarmCallback):
             p2p_calls=stats.p2p_calls,
             call_seconds=self.call_seconds,
             recomputed=stats.recomputed,
+            chained=stats.chained,
             stage_changes=self.stage_changes,
             peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             # gradient all-reduce rounds, those that failed (this peer stepped alone), and the time they held it up

@@ -272,6 +272,7 @@ class RemotePipeline(nn.Module):
             check = self._reply_check(int(hidden.size[0]), hops[-1][1], inputs.device)
             try:
                 self._chain_forward(hidden, route, check)
+                self.router.stats.add(chained=1)
                 return check.decoded, route
             except (ChainBrokenError, BadReplyError, ActivationsLostError, StageUnavailableError) as e:
                 log.warning("Stage-to-stage forward failed (%r): relaying this microbatch instead", e)

@@ -129,6 +129,7 @@ class RouterStats:
     raw_bytes_sent: int = 0  # the same tensors uncompressed
     side_bytes_sent: int = 0  # of bytes_sent, the blocks' side inputs (rotary tables, masks...) sent with forwards
     samples_sent: int = 0  # samples sent forward into the pipeline (each microbatch once, whatever its hops)
+    chained: int = 0  # microbatch forwards that went stage to stage (chain wiring), not relayed by this process
     seconds: dict = field(default_factory=dict)  # stage -> seconds spent in successful calls to it
     chosen: dict = field(default_factory=dict)  # peer id -> number of calls sent there
     failed: dict = field(default_factory=dict)  # peer id -> number of those calls that failed

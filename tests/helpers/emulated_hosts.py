@@ -107,6 +107,13 @@ class Host:
     def behind_nat(self) -> bool:
         return self.router is not None
 
+    def link_bytes(self) -> int:
+        """Bytes its link (``eth0``) carried so far, sent and received together, as its namespace counts them."""
+        stats = "/sys/class/net/eth0/statistics"
+        command = [*self.command(), "cat", f"{stats}/tx_bytes", f"{stats}/rx_bytes"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30, check=True)
+        return sum(int(count) for count in done.stdout.split())
+
 
 @dataclass
 class EmulatedHosts:

@@ -35,15 +35,23 @@ def initial_gpt_state() -> dict:
 
 
 @pytest.mark.parametrize(
-    "microbatches, precision", [(1, "32-true"), (4, "32-true"), (1, "bf16-mixed"), (1, "bf16-true")]
+    "microbatches, precision, wiring",
+    [
+        (1, "32-true", "star"),
+        (4, "32-true", "star"),
+        (1, "bf16-mixed", "star"),
+        (1, "bf16-true", "star"),
+        (1, "32-true", "chain"),
+    ],
 )
-def test_exact_against_single_process(swarm, tmp_path, microbatches, precision):
+def test_exact_against_single_process(swarm, tmp_path, microbatches, precision, wiring):
     """Compression off, one peer per stage, one trainer: parameters after k steps, and validation losses computed
     through the swarm (during fit and in a later trainer.validate), equal plain training's; also with each batch
-    split into microbatches in flight (equal up to float summation order), and under bf16-mixed precision (the
-    stages compute under autocast as the blocks do in plain training)."""
+    split into microbatches in flight (equal up to float summation order), under bf16-mixed precision (the
+    stages compute under autocast as the blocks do in plain training), and with stage-to-stage wiring."""
     args = [*SMALL_GPT, "--max-steps", "6", "--val-every", "3", "--val-batches", "2", "--precision", precision]
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_COMPRESSION": "none", "SWARM_MICROBATCHES": str(microbatches)}
+    env["SWARM_WIRING"] = wiring
     env["SWARM_DELAYED_UPDATES"] = "false"  # delayed updates apply each step one step late, unlike plain training
     swarm.start(
         "stage1", [*SMALL_GPT, "--precision", precision], env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"}
@@ -73,6 +81,7 @@ def test_exact_against_single_process(swarm, tmp_path, microbatches, precision):
 
     swarm_history = history(tmp_path / "swarm.json")
     assert swarm_history["direct_calls"] > 0 and swarm_history["p2p_calls"] == 0  # stage 1 over the direct path
+    assert (swarm_history["chained"] > 0) == (wiring == "chain") and swarm_history["failovers"] == 0
     assert len(swarm_history["val_losses"]) == 3  # at steps 3 and 6, then trainer.validate after fit
     assert swarm_history["val_losses"] == pytest.approx(plain_history["val_losses"], abs=loss_tolerance)
     assert swarm_history["losses"] == pytest.approx(plain_history["losses"], abs=loss_tolerance)

@@ -97,6 +97,7 @@ def test_chain_equals_plain_and_star_and_the_trainer_sends_each_microbatch_once(
         assert star_router.stats.bytes_sent == 3 * chain_router.stats.bytes_sent
         assert all(len(s.kept) == 0 and len(s.onward.parcels) == 0 for s in servers)
         assert chain_router.stats.failovers == chain_router.stats.recomputed == 0
+        assert chain_router.stats.chained == 2 and star_router.stats.chained == 0
     finally:
         shutdown(chain_router)
 
