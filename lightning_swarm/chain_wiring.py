@@ -40,18 +40,21 @@ class Receipt:
     """What a chained request's hop answers once the chain ended: the peers that ran the hops after it, as far as
     the chain went (the last holds the parcel); whether a backward stopped there because its next hop's peer could
     not take it (then the parcel is the gradient for that hop: the trainer recomputes it); and the failovers on the
-    way, as ``[stage, method, failed peer, peer retried on, error]``."""
+    way, as ``[stage, method, failed peer, peer retried on, error]``. ``error``: why a stopped backward's next peer
+    failed, empty if it was alive but had dropped the forward's graph."""
 
     peers: list[str] = field(default_factory=list)
     stopped: bool = False
     failovers: list[list] = field(default_factory=list)
+    error: str = ""
 
     def after(self, peer: str, failovers: list[list]) -> Receipt:
         """This receipt as the hop before ``peer`` answers it, with the failovers of its own call."""
-        return Receipt([peer, *self.peers], self.stopped, [*failovers, *self.failovers])
+        return Receipt([peer, *self.peers], self.stopped, [*failovers, *self.failovers], self.error)
 
     def encode(self) -> compression.WireTensor:
-        raw = MSGPackSerializer.dumps({"peers": self.peers, "stopped": self.stopped, "failovers": self.failovers})
+        content = {"peers": self.peers, "stopped": self.stopped, "failovers": self.failovers, "error": self.error}
+        raw = MSGPackSerializer.dumps(content)
         return compression.encode(torch.frombuffer(bytearray(raw), dtype=torch.uint8), "none")
 
     @classmethod
@@ -64,14 +67,15 @@ class Receipt:
                 raise ValueError("not a receipt")
             raw = compression.deserialize(reply[0]).numpy().tobytes()
             content = MSGPackSerializer.loads(raw)
-            peers, stopped, failovers = content["peers"], content["stopped"], content["failovers"]
+            peers, stopped, failovers, error = (content[k] for k in ("peers", "stopped", "failovers", "error"))
         except Exception as e:
             raise BadReplyError(f"an unreadable receipt: {e!r:.200}") from None
         if not (isinstance(peers, list) and len(peers) <= MAX_HOPS and all(_is_key(p, 128) for p in peers)):
             raise BadReplyError("a receipt whose peers are not a list of peer ids")
-        if not isinstance(stopped, bool) or not isinstance(failovers, list):
+        if not isinstance(stopped, bool) or not isinstance(failovers, list) or not isinstance(error, str):
             raise BadReplyError("a malformed receipt")
-        return cls(peers, stopped, [list(f) for f in failovers[:MAX_HOPS] if isinstance(f, list) and len(f) == 5])
+        listed = [list(f) for f in failovers[:MAX_HOPS] if isinstance(f, list) and len(f) == 5]
+        return cls(peers, stopped, listed, error[:300])
 
 
 class ReceiptCheck:

@@ -48,7 +48,6 @@ from lightning_swarm.errors import (
     CALLERS_FAULT,
     ActivationsLostError,
     BadReplyError,
-    ChainBrokenError,
     NonFiniteInputError,
     StageUnavailableError,
 )
@@ -274,7 +273,9 @@ class RemotePipeline(nn.Module):
                 self._chain_forward(hidden, route, check)
                 self.router.stats.add(chained=1)
                 return check.decoded, route
-            except (ChainBrokenError, BadReplyError, ActivationsLostError, StageUnavailableError) as e:
+            except (*CALLERS_FAULT, StageUnavailableError):
+                raise  # the request was wrong, or the first stage has no peer: relaying would not help
+            except Exception as e:  # a broken chain, a bad receipt or parcel, or the last peer gone since
                 log.warning("Stage-to-stage forward failed (%r): relaying this microbatch instead", e)
                 self.router.failed_over(hops[0][1].stage, "forward", "chain", "star", e)
         route = Route(train)
@@ -329,10 +330,10 @@ class RemotePipeline(nn.Module):
 
     def _chain_backward(
         self, hop: int, grad: runtime_pb2.Tensor, route: Route, loss_scale: Optional[float], device: torch.device
-    ) -> tuple[int, runtime_pb2.Tensor, Optional[torch.Tensor]]:
+    ) -> tuple[int, runtime_pb2.Tensor, Optional[torch.Tensor], BaseException | str]:
         """Backward from ``hop`` down to the first hop, stage to stage along the peers that kept the forwards.
-        Returns ``(-1, input gradient, decoded)`` if it got there; else the hop whose peer could not take it (gone,
-        or it dropped the graph) and the gradient parked for that hop."""
+        Returns ``(-1, input gradient, decoded, "")`` if it got there; else the hop whose peer could not take it,
+        the gradient parked for that hop and why (``""``: that peer dropped the graph)."""
         onward = [{"stage": route.stages[i], "peer": route.peers[i], "kept": route.keys[i]} for i in range(hop)][::-1]
         metadata = {"codec": self.codec, "train": route.train, "kept": route.keys[hop], **self._chained(onward)}
         if loss_scale is not None:
@@ -342,9 +343,11 @@ class RemotePipeline(nn.Module):
             self.router.call_peer(stage, peer, "backward", [grad], metadata, batch, receipt)
         except CALLERS_FAULT:
             raise
+        except ActivationsLostError:
+            return hop, grad, None, ""
         except Exception as e:
-            log.info("Stage %d: backward on %s failed (%r): recomputing it", stage, peer, e)
-            return hop, grad, None
+            log.warning("Stage %d: backward on %s failed (%r): recomputing on another peer", stage, peer, e)
+            return hop, grad, None, e
         self._report(receipt.receipt)
         reached = hop - len(receipt.receipt.peers)  # the hop whose peer holds the parcel
         expected = route.peers[max(reached, 0) : hop][::-1]
@@ -356,10 +359,10 @@ class RemotePipeline(nn.Module):
             raise BadReplyError(f"a receipt naming peers {receipt.receipt.peers} from hop {hop}")
         if receipt.receipt.stopped:
             parked = self._collect(route.stages[reached], route.peers[reached], metadata["parcel"], ReplyCheck(batch))
-            return reached - 1, parked, None
+            return reached - 1, parked, None, receipt.receipt.error
         first = route.inputs[0]
         check = ReplyCheck(batch, first.size, compression.decoded_dtype(first), loss_scale is None, device=device)
-        return -1, self._collect(route.stages[0], route.peers[0], metadata["parcel"], check), check.decoded
+        return -1, self._collect(route.stages[0], route.peers[0], metadata["parcel"], check), check.decoded, ""
 
     def _collect(self, stage: int, peer: str, parcel: str, check: ReplyCheck) -> runtime_pb2.Tensor:
         """The parcel a chain parked on ``peer`` (of ``stage``), once ``check`` passed it."""
@@ -408,14 +411,13 @@ class RemotePipeline(nn.Module):
         process does not hold it) and the chain goes on from the hop before."""
         grad, hop = compression.encode(grad_outputs, self.codec), len(route.peers) - 1
         while True:
-            hop, grad, decoded = self._chain_backward(hop, grad, route, loss_scale, grad_outputs.device)
+            hop, grad, decoded, failed = self._chain_backward(hop, grad, route, loss_scale, grad_outputs.device)
             if hop < 0:
                 return decoded
             if route.inputs[hop] is None:
                 route.inputs[hop] = self._chain_input(hop, route)
-            route.keys[hop] = None  # its peer is gone, or dropped the graph: recompute
-            self.router.stats.add(recomputed=1)
-            grad, decoded = self._backward_hop(hop, grad, route, loss_scale, grad_outputs.device if hop == 0 else None)
+            device = grad_outputs.device if hop == 0 else None
+            grad, decoded = self._backward_hop(hop, grad, route, loss_scale, device, failed)
             if hop == 0:
                 return decoded
             hop -= 1
@@ -437,16 +439,18 @@ class RemotePipeline(nn.Module):
         route: Route,
         loss_scale: Optional[float],
         device: Optional[torch.device] = None,
+        failed: Optional[BaseException | str] = None,
     ) -> tuple[runtime_pb2.Tensor, Optional[torch.Tensor]]:
         """Backward on the peer that kept the forward; else recompute on a peer of the stage from the input (and the
-        side inputs). Returns the input gradient as it came and, with ``device``, decoded there."""
-        stage, peer, failed = route.stages[hop], route.peers[hop], None
+        side inputs). Returns the input gradient as it came and, with ``device``, decoded there. ``failed``: that
+        peer is already known not to take it (chain wiring): why, or ``""`` if it dropped the graph."""
+        stage, peer = route.stages[hop], route.peers[hop]
         scaled = {} if loss_scale is None else {"loss_scale": loss_scale}
         inputs = route.inputs[hop]  # the input gradient must be shaped like it; NaN reports an overflow
         check = ReplyCheck(
             int(inputs.size[0]), inputs.size, compression.decoded_dtype(inputs), loss_scale is None, device=device
         )
-        if route.keys[hop] is not None:
+        if failed is None and route.keys[hop] is not None:
             try:
                 kept = {"kept": route.keys[hop], **scaled}
                 reply, _ = self._call(stage, "backward", [grad], check, route.train, peer, failover=False, **kept)
@@ -454,17 +458,19 @@ class RemotePipeline(nn.Module):
             except CALLERS_FAULT:
                 raise
             except ActivationsLostError:
-                pass  # that peer is alive but dropped the graph: let it recompute
+                failed = ""  # that peer is alive but dropped the graph: let it recompute
             except Exception as e:
                 log.warning("Stage %d: backward on %s failed (%r): recomputing on another peer", stage, peer, e)
-                peer, failed = None, e
+                failed = e
+        if failed is not None:
             self.router.stats.add(recomputed=1)
         side = route.sides[hop]
         extra = _parts(side)
         messages = [inputs, grad, *extra[0]]
-        grad, retried_on = self._call(stage, "backward", messages, check, route.train, peer, **scaled, **extra[1])
-        if failed is not None:
-            self.router.failed_over(stage, "backward", route.peers[hop], retried_on, failed)
+        prefer = None if failed else peer
+        grad, retried_on = self._call(stage, "backward", messages, check, route.train, prefer, **scaled, **extra[1])
+        if failed:
+            self.router.failed_over(stage, "backward", peer, retried_on, failed)
         return grad, check.decoded
 
     def _call(

@@ -239,7 +239,7 @@ class StageRouter:
         no usable peer at all, or its peers answer busy (a full queue, out of memory), this waits for one (up to
         ``wait_timeout`` seconds, by default ``stage_wait_timeout``) instead. What was the caller's fault
         (``CALLERS_FAULT``) raises at once, as does a broken chain of stage-to-stage sends. A failover is reported
-        to ``report`` too.
+        to ``report`` instead of this router's counters and events, if given.
         """
         wait_timeout = self.stage_wait_timeout if wait_timeout is None else wait_timeout
         if prefer is not None and self._banned(stage, prefer):
@@ -300,12 +300,15 @@ class StageRouter:
         error: BaseException | str,
         report: Optional[Callable[[events.Failover], None]] = None,
     ) -> None:
-        """Count a microbatch retried on another peer, and report it to ``on_event`` (and ``report``)."""
-        self.stats.failovers += 1
+        """Count a microbatch retried on another peer, and report it to ``on_event``; or, with ``report``, only
+        to it (a stage server handing a trainer's microbatch on tells that trainer, whose failover it is)."""
         event = events.Failover(stage, method, failed, retried_on, error if isinstance(error, str) else repr(error))
-        for receiver in (self.on_event, report):
-            if receiver is not None:
-                receiver(event)
+        if report is not None:
+            report(event)
+            return
+        self.stats.failovers += 1
+        if self.on_event is not None:
+            self.on_event(event)
 
     def _wait_for_peer(
         self, stage: int, since: float, last_error: Optional[BaseException], wait_timeout: Optional[float] = None

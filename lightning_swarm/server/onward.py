@@ -142,7 +142,7 @@ class Onward:
         except Exception as e:
             log.info("Stage %d: backward to %s failed (%r): parked for the trainer", self.stage, hop["peer"], e)
             self.parcels.park(request["parcel"], grad)
-            return Receipt(stopped=True).encode()
+            return Receipt(stopped=True, error="" if isinstance(e, ActivationsLostError) else repr(e)).encode()
         return check.receipt.after(hop["peer"], []).encode()
 
     def close(self) -> None:

@@ -123,6 +123,28 @@ def test_a_kept_forward_lost_mid_chain_is_recomputed_and_the_chain_goes_on():
         shutdown(router)
 
 
+def test_a_last_stage_peer_lost_before_backward_is_recomputed_elsewhere_and_counted_as_a_failover():
+    """The stage-2 peer that ran the forward dies before the backward comes: the trainer sends stage 2's input again
+    through stages 0 and 1 (unkept), has the other stage-2 peer recompute it, then goes on stage to stage."""
+    servers = [stage(k) for k in range(3)]
+    modules = [s.module for s in servers]
+    x = torch.randn(4, 8)
+    stages = [{"p0": servers[0]}, {"p1": servers[1]}, {"p2": servers[2], "p2b": stage(2)}]
+    router = swarm(stages, first=("p2",))
+    try:
+        remote = pipeline(router, modules, microbatches=1)
+        x_ = x.clone().requires_grad_()
+        y = remote(x_)
+        router.servers["p2"] = Failing()
+        y.square().sum().backward()
+        torch.testing.assert_close(x_.grad, plain(modules, x)[1], rtol=0, atol=0)
+        assert router.stats.recomputed == router.stats.failovers == 1 and router.banned("p2")
+        assert router.stats.chained == 1 and len(servers[0].kept) == len(servers[1].kept) == 0
+    finally:
+        shutdown(router)
+        stages[2]["p2"].shutdown()
+
+
 def test_a_failing_next_stage_peer_fails_over_inside_the_chain_and_the_trainer_hears_of_it():
     """Stage 0's peer hands its output to a failing peer of stage 1 first, then to the other: the result is exact,
     and the failover reaches the trainer's router (counted, and as an event) through the receipt."""
