@@ -138,8 +138,22 @@ def store_record(node: SwarmNode, run_id: str, record: PeerRecord, ttl: float) -
 
 def training_peers(node: SwarmNode, run_id: str, num_stages: int) -> set[str]:
     """Peers (serving or drive-only) that announce they are still training."""
-    groups = [*fetch_swarm(node, run_id, num_stages), fetch_stage(node, run_id, None)]
-    return {peer for records in groups for peer, record in records.items() if record.training}
+    keys = record_keys(run_id, num_stages)
+    return training_among({stage: node.dht_get(key) or {} for key, stage in keys.items()})
+
+
+def record_keys(run_id: str, num_stages: int) -> dict[str, Optional[int]]:
+    """The DHT keys under which the run's peers announce themselves, each with its stage (None: drive-only peers)."""
+    return {stage_key(run_id, stage): stage for stage in [*range(num_stages), None]}
+
+
+def training_among(found: dict[Optional[int], dict]) -> set[str]:
+    """The peers that announce they are still training, among records as read from the DHT (record values by peer
+    id, by stage; malformed ones left out). A peer found at two stages (moving) is one peer."""
+    records = (
+        PeerRecord.from_value(peer, stage, value) for stage, values in found.items() for peer, value in values.items()
+    )
+    return {record.peer_id for record in records if record is not None and record.training}
 
 
 def check_run_meta(node: SwarmNode, run_id: str, meta: dict, ttl: float) -> None:

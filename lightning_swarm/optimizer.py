@@ -3,6 +3,25 @@
 One wraps each served stage and one wraps the trainer's local parameters (embeddings, head). Each accumulates
 gradients until the peers sharing it (the peers of that stage, or all trainers) have together processed
 ``target_batch_size`` samples, then those peers all-reduce their gradients and step.
+
+The target batch size. Given, it is the same fixed number on every peer. Unset, it is the global batch a user of
+DDP expects: this peer's batch size times the number of peers that announce they are training (the ``training``
+flag of their discovery records, :func:`~lightning_swarm.discovery.training_among`), at least one peer's batch
+(:class:`PerTrainerBatch`). Every trainer's batch passes through every stage, so each stage (and the local
+parameters) steps about once per round of the trainers' batches, as DDP does, and its steps are never closer together
+than one trainer's step: time for a round to assemble. The target used to be one peer's batch: with N trainers a
+stage stepped after every ~1/N of a batch, far more often than its all-reduce rounds could assemble, and most of them
+failed.
+
+How the count is read: every optimizer's progress tracker (:class:`CountingProgressTracker`) reads the run's
+discovery records from the DHT, once when it starts and then as it refreshes the progress (the records are read
+without blocking and used at the next refresh, at most every :data:`COUNT_PERIOD` seconds), and sets its
+``target_batch_size`` from them: hivemind's ``ProgressTracker`` reads that attribute wherever it decides on a step
+(``ready_to_update_epoch``, its progress estimate) and nowhere caches it, and ``hivemind.Optimizer`` leaves the
+decision to its tracker. Peers read the same records, so they agree on the target, except for a refresh or so
+after a trainer joins, finishes or leaves. The alternative, a target the first peer publishes in the run's meta
+record, would be agreed on for good but fixed: that peer does not know how many trainers will come, and the same
+script starts every peer. Peers whose batch sizes differ would disagree on the target; give one then.
 """
 
 from __future__ import annotations
@@ -12,7 +31,7 @@ import multiprocessing
 import time
 from collections import Counter
 from functools import partial
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import hivemind
 import torch
@@ -24,6 +43,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
 from hivemind.utils.performance_ema import PerformanceEMA
 
+from lightning_swarm import discovery
 from lightning_swarm.errors import MID_STEP
 from lightning_swarm.logs import RateLimit
 
@@ -58,6 +78,79 @@ def target_batch_size(trainer: Any, given: Optional[int]) -> int:
             "from)"
         )
     return batch_size
+
+
+COUNT_PERIOD = 1.0  # seconds between two reads of the training peers' records by a progress tracker
+
+
+class PerTrainerBatch(int):
+    """A target batch size of this many samples (one peer's batch) per peer that trains: the number of trainers is
+    read from their discovery records under ``keys`` (:func:`~lightning_swarm.discovery.record_keys`). As an int, it
+    is one peer's batch."""
+
+    def __new__(cls, batch_size: int, keys: Mapping[str, Optional[int]] = ()) -> PerTrainerBatch:
+        target = super().__new__(cls, batch_size)
+        target.keys = dict(keys)
+        return target
+
+    def __reduce__(self) -> tuple:
+        return type(self), (int(self), self.keys)
+
+    def __repr__(self) -> str:
+        return f"PerTrainerBatch({int(self)} per trainer)"
+
+    def total(self, trainers: Optional[int]) -> int:
+        """The target for ``trainers`` training peers (None or 0: one peer's batch)."""
+        return int(self) * max(1, trainers or 0)
+
+
+class TrainerCount:
+    """The number of the run's peers that announce they are training, read from their records in ``dht`` under
+    ``keys`` at most every ``period`` seconds, without blocking the caller: :meth:`poll` starts the reads and returns
+    the count of the last reads that finished (None before any has)."""
+
+    def __init__(self, dht: Any, keys: Mapping[str, Optional[int]], period: float = COUNT_PERIOD) -> None:
+        self.dht, self.keys, self.period = dht, dict(keys), period
+        self.count: Optional[int] = None
+        self._pending: dict[Optional[int], Any] = {}  # stage -> the DHT's future of its records
+        self._next = -float("inf")
+
+    def read(self, timeout: float) -> Optional[int]:
+        """Read the records now, waiting up to ``timeout`` seconds for them; the count, or None if they did not come."""
+        self._start(time.monotonic())
+        deadline = time.monotonic() + timeout
+        while not all(f.done() for f in self._pending.values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.poll()
+
+    def poll(self, now: Optional[float] = None) -> Optional[int]:
+        now = time.monotonic() if now is None else now
+        if self._pending and all(f.done() for f in self._pending.values()):
+            pending, self._pending = self._pending, {}
+            try:
+                found = {stage: _values(future.result()) for stage, future in pending.items()}
+                self.count = len(discovery.training_among(found))
+            except Exception as e:  # the last count stands; read again next period
+                log.debug("Could not read the training peers' records: %r", e)
+        if not self._pending and now >= self._next:
+            self._start(now)
+        return self.count
+
+    def _start(self, now: float) -> None:
+        self._next = now + self.period
+        try:
+            self._pending = {
+                stage: self.dht.get(key, latest=True, return_future=True) for key, stage in self.keys.items()
+            }
+        except Exception as e:  # a DHT shutting down
+            log.debug("Could not read the training peers' records: %r", e)
+            self._pending = {}
+
+
+def _values(found: Any) -> dict:
+    """The values by subkey of a dictionary record as the DHT returns it (``ValueWithExpiration``), else empty."""
+    value = getattr(found, "value", None)
+    return {subkey: getattr(item, "value", None) for subkey, item in value.items()} if isinstance(value, dict) else {}
 
 
 def restrict_to(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -115,18 +208,39 @@ class CountingProgressTracker(ProgressTracker):
     an all-reduce are this one, those with samples in its epoch, and those that just left that epoch (their round
     may still be looking for this peer). Peers left out catch up by downloading the state
     (``SwarmOptimizer.follow_swarm``).
+
+    Given a :class:`PerTrainerBatch` target, its ``target_batch_size`` is that times the peers training (``trainers``,
+    by default read from the run's records in its DHT): read once as it starts, then again as it refreshes the
+    progress, the last count read standing while a read fails.
     """
 
-    def __init__(self, *args: Any, start: bool, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        dht: DHT,
+        prefix: str,
+        target_batch_size: int,
+        *,
+        start: bool,
+        trainers: Optional[TrainerCount] = None,
+        **kwargs: Any,
+    ) -> None:
         # set before hivemind's constructor, which fetches the swarm's progress once
         self._others: tuple[Optional[int], int] = (None, 0)  # (epoch, samples of the other peers) as last fetched
         self._records: list[LocalTrainingProgress] = []  # the other peers' progress, as last fetched
-        super().__init__(*args, start=False, **kwargs)
+        self.per_trainer: Optional[PerTrainerBatch] = None  # the target is this times the trainers (unset: fixed)
+        self.trainers = trainers
+        if isinstance(target_batch_size, PerTrainerBatch):
+            self.per_trainer = target_batch_size
+            self.trainers = trainers or TrainerCount(dht, target_batch_size.keys)
+            target_batch_size = target_batch_size.total(self.trainers.read(timeout=5.0))
+        super().__init__(dht, prefix, int(target_batch_size), start=False, **kwargs)
         self.performance_ema = _NoRateEstimate()
         if start:
             self.start()
 
     def _parse_swarm_progress_data(self, metadata: Any) -> GlobalTrainingProgress:
+        if self.per_trainer is not None:  # the trainers as last read; the next read starts (at most every period)
+            self.target_batch_size = self.per_trainer.total(self.trainers.poll())
         progress = super()._parse_swarm_progress_data(metadata)
         me = self.dht.peer_id.to_bytes()
         entries = [LocalTrainingProgress.parse_obj(e.value) for e in (metadata or {}).values() if e.value is not None]
@@ -337,7 +451,12 @@ class StepPace:
 
 class SwarmOptimizer(hivemind.Optimizer):
     """``hivemind.Optimizer`` that counts samples exactly (see ``CountingProgressTracker``), can follow the swarm
-    while it has no work, and counts its steps and gradient all-reduces."""
+    while it has no work, and counts its steps and gradient all-reduces.
+
+    ``target_batch_size``: a fixed number of samples, or a :class:`PerTrainerBatch` (what the strategy passes when
+    none is given): one peer's batch times the peers training, as the run's discovery records say (see the module's
+    docstring); ``self.tracker.target_batch_size`` is the target in force.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -434,6 +553,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             complete = complete and averaged.exception() is None and len(averaged.result()) >= self._expected_group
             self._out_of_sync = not complete
         self.steps += 1
+        self.pace.target_batch_size = self.tracker.target_batch_size  # it follows the trainers, unless given
         warning = self.pace.tick(time.monotonic())
         if warning is not None:
             log.warning(warning)
@@ -618,7 +738,8 @@ def swarm_optimizer(
     averaging_timeout: float,
     delayed: bool = False,
 ) -> SwarmOptimizer:
-    """Wrap ``optimizer`` so that it steps once per ``target_batch_size`` samples of all peers under ``prefix``.
+    """Wrap ``optimizer`` so that it steps once per ``target_batch_size`` samples of all peers under ``prefix``
+    (a :class:`PerTrainerBatch`: that many per peer training, as the peers' records say).
 
     ``delayed``: the all-reduce and the optimizer step run in the background while the parameters keep their
     values; the update lands at the next ``step`` (or ``follow_swarm``) call, so they are at most one step stale.

@@ -43,7 +43,7 @@ from lightning_swarm.compression import Codec
 from lightning_swarm.errors import failure_line
 from lightning_swarm.events import EventQueue
 from lightning_swarm.node import SwarmNode
-from lightning_swarm.optimizer import SwarmOptimizer, swarm_optimizer, target_batch_size
+from lightning_swarm.optimizer import PerTrainerBatch, SwarmOptimizer, swarm_optimizer, target_batch_size
 from lightning_swarm.precision import check_precision
 from lightning_swarm.server.out_of_core import prepare_stage
 from lightning_swarm.server.stage_host import LEAVE_GRACE, Stage, StageHost
@@ -432,6 +432,8 @@ class SwarmStrategy(Strategy):
         """``optimizer`` stepping once the swarm's peers sharing it (``stage``'s, None: the trainers) processed the
         target batch."""
         given = target_batch_size(self.lightning_module.trainer, self.target_batch_size)
+        if self.target_batch_size is None:  # this peer's batch per training peer, as their records say (kept after)
+            given = PerTrainerBatch(given, discovery.record_keys(self.run_id, self.num_stages or 0))
         self.settings = dataclasses.replace(self.settings, target_batch_size=given)
         prefix, timing = discovery.optimizer_prefix(self.run_id, stage), (self.matchmaking_time, self.averaging_timeout)
         return swarm_optimizer(self.node.dht, prefix, optimizer, given, *timing, delayed=delayed)
