@@ -335,7 +335,10 @@ def main() -> None:
     if a.smoke or a.device == "cpu":
         a.d_model, a.blocks, a.batch_size, a.tokens = 128, 24, 2, 32
         a.warmup, a.batches = (1, 3) if a.smoke else (a.warmup, a.batches)
-    save([measure(a, torch.device(a.device))], out)
+    device = torch.device(a.device)
+    if device.type == "cuda" and device.index is None:  # set_per_process_memory_fraction wants an index
+        device = torch.device("cuda", torch.cuda.current_device())
+    save([measure(a, device)], out)
 
 
 if __name__ == "__main__":

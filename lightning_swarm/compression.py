@@ -222,7 +222,8 @@ def _quantize(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return tensor.new_empty(tensor.shape, dtype=torch.uint8), tensor.new_empty(0, dtype=torch.float32)
     if tensor.dtype not in _QUANTIZABLE:
         tensor = tensor.float()
-    codes, state = _bitsandbytes().quantize_blockwise(tensor, code=_code_table(tensor.device), blocksize=BLOCK_SIZE)
+    with device_sync.on_default_stream(tensor.device, [tensor]):  # its CUDA kernel ignores the current stream
+        codes, state = _bitsandbytes().quantize_blockwise(tensor, code=_code_table(tensor.device), blocksize=BLOCK_SIZE)
     return codes, state.absmax.float()
 
 

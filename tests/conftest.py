@@ -38,6 +38,13 @@ def _environ(process: psutil.Process) -> dict:
         return {}
 
 
+def _status(process: psutil.Process) -> str:
+    try:
+        return process.status()
+    except psutil.NoSuchProcess:
+        return psutil.STATUS_ZOMBIE
+
+
 def leftover_namespaces() -> list[str]:
     """Remove this session's network namespaces that are still there (and the processes in them); their names."""
     from helpers import emulated_hosts
@@ -61,7 +68,10 @@ def no_leftover_processes():
     # multiprocessing's own helper, not a leftover: locks made under forkserver (Python 3.14's default) start it. It
     # keeps running: stopped here, it unlinked the semaphores of hivemind's locks, whose finalizers then failed at exit
     tracker = resource_tracker._resource_tracker._pid
-    children = [c for c in psutil.Process().children(recursive=True) if c.pid != tracker]
+    # a zombie has exited (CUDA's stack symbolizer leaves addr2line children unreaped): nothing of it is left running
+    children = [
+        c for c in psutil.Process().children(recursive=True) if c.pid != tracker and _status(c) != psutil.STATUS_ZOMBIE
+    ]
     for process in [*children, *(psutil.Process(pid) for pid in left if psutil.pid_exists(pid))]:
         process.kill()
     namespaces = leftover_namespaces()  # emulated hosts (helpers/emulated_hosts.py) whose test did not remove them

@@ -171,6 +171,28 @@ def test_gpu_tensors_encode_on_the_gpu_and_decode_onto_it(codec):
     assert ((on_cpu - tensor.cpu()).abs() <= error_bound(tensor.cpu(), codec)).all()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("codec", ["none", "float16", "8bit"])
+def test_encoding_on_a_side_stream_waits_for_the_tensor_and_its_own_kernels(codec):
+    """A stage server encodes its replies on a stream beside the compute. bitsandbytes launches its quantization on
+    the default stream whatever the current one is: unordered, it read activations not yet computed and the copy to
+    the host read scales not yet written (on an H100, a 2-stage swarm then got all-zero activations). Each tensor is
+    made on the side stream behind a long matmul and encoded there at once, never synchronized by hand."""
+    side = torch.cuda.Stream()
+    slow = torch.randn(4096, 4096, device="cuda")
+    expected = torch.randn(16, 64, 4096, device="cuda")
+    reference = compression.deserialize(compression.encode(expected, codec))
+    torch.cuda.synchronize()
+    for _ in range(5):
+        with torch.cuda.stream(side):
+            delay = slow
+            for _ in range(20):
+                delay = delay @ slow / 64
+            tensor = expected + (0 * delay[0, 0]).nan_to_num(0.0, 0.0, 0.0)  # ready once the matmuls are done
+            decoded = compression.deserialize(compression.encode(tensor, codec))
+        assert torch.equal(decoded, reference)
+
+
 def _altered(message: runtime_pb2.Tensor, **fields) -> runtime_pb2.Tensor:
     """A copy of ``message`` with some fields replaced."""
     altered = runtime_pb2.Tensor()
