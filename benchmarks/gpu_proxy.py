@@ -5,8 +5,8 @@ GPU, with routing, transport, codec framing, kept activations, the fair queue an
 Only the device is emulated (benchmarks/emulated_device.py): one timeline shared by the three processes, kernels
 enqueued on it, syncs that sleep until the process's work is done, pipeline blocks that hold the GIL for their launch
 and return real tensors of the real size without computing them. Calibration: the H100's per-sample block times
-(../shared/gpu/README.md), examples/gpt.py's shapes: 8 blocks, batch 8 x 512 tokens, 2 stages, fp32 (``--bf16``
-divides the block times by 2.2); launch costs measured on this CPU (a tiny block's forward and backward).
+(../shared/gpu/README.md), examples/gpt.py's shapes: 8 blocks, batch 8 x 512 tokens, 2 stages, fp32 (``--bf16``:
+bf16-mixed's block times, measured on an H100 with ``gpu.py --calibrate``); launch costs measured on this CPU (a tiny block's forward and backward).
 
 Each swarm (a d_model and a target batch size) runs phases one after the other, side by side in one run: 2, 4 and 8
 microbatches, then "auto" (warm-up batches until its tuning settled), each phase's warm-up batches excluded from
@@ -28,8 +28,8 @@ its timed ones. Per phase:
     python benchmarks/gpu_proxy.py --quick           # ~1 min smoke: d_model 1024, 2 and 4 microbatches
 
 ``--keep DIR`` saves each swarm's timeline (every kernel, copy, sync and swarm event, numpy) and CPU samples, to look
-into a profile beyond the tables (``load_kept`` and ``analyse`` read them back); ``--bf16`` divides the block times
-by 2.2.
+into a profile beyond the tables (``load_kept`` and ``analyse`` read them back); ``--bf16`` takes bf16-mixed's
+block times.
 
 Targets (issue 25): E >= 0.9 at d_model 2048 and >= 0.6 at 1024; median gap while a request is queued <= 0.1 ms;
 hop p50 <= 2 ms at 2 MiB; turnarounds <= 5% and step stall <= 5% of ideal with a step every batch; framework CPU
@@ -58,9 +58,10 @@ from report import RESULTS, save_data, table, update_section  # noqa: E402
 
 from lightning_swarm.launch import LocalSwarm  # noqa: E402
 
-# seconds per sample per stage of 4 blocks, fp32 on the H100 (issue 25, from ../shared/gpu/README.md)
+# seconds per sample per stage of 4 blocks on the H100, forward and backward: fp32 (issue 25, from
+# ../shared/gpu/README.md) and bf16-mixed (`gpu.py --calibrate` there, 2026-11-25; RESULTS.md, "The first lent GPU")
 H100 = {1024: (1.24e-3, 2.48e-3), 2048: (4.4e-3, 8.8e-3)}
-BF16_SPEEDUP = 2.2
+H100_BF16 = {1024: (0.312e-3, 0.711e-3), 2048: (0.507e-3, 0.945e-3)}
 N_LAYER, BATCH, BLOCK, VOCAB = 8, 8, 512, 96
 PROCS = {"stage0": 0, "stage1": 1, "trainer": emu.TRAINER}
 IDLE = ("queued", "step", "between_batches", "in_flight")
@@ -634,12 +635,9 @@ print(f, fb - f, timed(adam.step, 5) / 4e6)
 
 
 def calibration_for(d_model: int, bf16: bool, measured: tuple[float, float, float]) -> emu.Calibration:
-    forward, backward = H100[d_model]
-    scale = BF16_SPEEDUP if bf16 else 1.0
+    forward, backward = (H100_BF16 if bf16 else H100)[d_model]
     launch_forward, launch_backward, host_adam = measured
-    return emu.Calibration(
-        forward / scale, backward / scale, N_LAYER // STAGES, launch_forward, launch_backward, host_adam=host_adam
-    )
+    return emu.Calibration(forward, backward, N_LAYER // STAGES, launch_forward, launch_backward, host_adam=host_adam)
 
 
 # ---- the report ---------------------------------------------------------------------------------------------------
@@ -805,7 +803,7 @@ def write(runs: list[dict], path: Path) -> None:
         "code in real processes (two serve-only stage peers and a drive-only trainer on this machine), only the "
         "device emulated: one timeline shared by the processes. 8 blocks, batch 8 x 512 tokens, 2 stages, 8-bit "
         f"wire, {latest['updates']} updates. Per sample per stage, forward / backward: {blocks} "
-        f"({'bf16: fp32 / 2.2' if latest.get('bf16') else 'fp32, the H100'}). Measured here: launch per block "
+        f"({'bf16-mixed' if latest.get('bf16') else 'fp32'}, the H100). Measured here: launch per block "
         f"{1e3 * cal['launch_forward']:.2f} / {1e3 * cal['launch_backward']:.2f} ms, AdamW on one host thread "
         f"{1e9 * cal['host_adam']:.1f} ns per parameter. Assumed: HBM {cal['hbm'] / 1e12:g} TB/s, copies "
         f"{cal['pinned'] / 1e9:g} GB/s pinned and {cal['pageable'] / 1e9:g} GB/s pageable "
@@ -901,7 +899,7 @@ def plan(quick: bool, timed: Optional[int]) -> list[tuple[int, int, list[dict]]]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", "--smoke", action="store_true", help="a short smoke run (CI)")
-    parser.add_argument("--bf16", action="store_true", help="bf16-mixed block times (fp32's / 2.2)")
+    parser.add_argument("--bf16", action="store_true", help="bf16-mixed block times, as measured on the H100")
     parser.add_argument(
         "--updates",
         choices=["synchronous", "delayed"],
@@ -958,9 +956,7 @@ def main() -> None:
         "seconds": seconds,
         "load_average": {"start": load, "end": os.getloadavg()},  # the machine is shared: how busy it was
         "calibration": vars(calibration_for(1024, a.bf16, launch)),
-        "block_times": {
-            d: [f / (BF16_SPEEDUP if a.bf16 else 1), b / (BF16_SPEEDUP if a.bf16 else 1)] for d, (f, b) in H100.items()
-        },
+        "block_times": {d: list(times) for d, times in (H100_BF16 if a.bf16 else H100).items()},
         "rows": rows,
         "checks": checks,
         "targets": targets(rows),
