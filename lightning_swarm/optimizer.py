@@ -8,10 +8,12 @@ The target batch size. Given, it is the same fixed number on every peer. Unset, 
 DDP expects: this peer's batch size times the number of peers that announce they are training (the ``training``
 flag of their discovery records, :func:`~lightning_swarm.discovery.training_among`), at least one peer's batch
 (:class:`PerTrainerBatch`). Every trainer's batch passes through every stage, so each stage (and the local
-parameters) steps about once per round of the trainers' batches, as DDP does, and its steps are never closer together
-than one trainer's step: time for a round to assemble. The target used to be one peer's batch: with N trainers a
-stage stepped after every ~1/N of a batch, far more often than its all-reduce rounds could assemble, and most of them
-failed.
+parameters) steps about once per round of the trainers' batches, as DDP does: its steps are about one trainer's step
+apart, which leaves its all-reduce round a trainer's step to assemble (when that is shorter than a round needs,
+:class:`StepPace` says to raise the target). The target used to be one peer's batch: with N trainers a stage stepped
+after every ~1/N of a batch, far more often than its rounds could assemble (issue 27: 4 peers, batch 16, 60 steps
+each: one peer had finished after 600 s, where a target of 32 took 357 s). ``benchmarks/default_target.py`` measures
+the default against a target of N x the batch.
 
 How the count is read: every optimizer's progress tracker (:class:`CountingProgressTracker`) reads the run's
 discovery records from the DHT, once when it starts and then as it refreshes the progress (the records are read

@@ -87,7 +87,7 @@ class SwarmSettings:
     compression: Codec = field(default="8bit", metadata={CAST: check_codec})
     """codec for activations and their gradients between stages: ``"8bit"`` (blockwise), ``"float16"`` or
     ``"none"``."""
-    wiring: Wiring = field(default="star", metadata={CAST: check_wiring})
+    wiring: Wiring = field(default="chain", metadata={CAST: check_wiring})
     """how a microbatch crosses the stages: ``"chain"``: the trainer sends it to a peer of the first stage, each
     stage's peer sends its output on to a peer of the next (chosen as the trainer chooses: load-aware, at random)
     and the trainer fetches the last stage's output from its peer; backward goes back the same way. The trainer's
