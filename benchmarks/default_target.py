@@ -217,8 +217,6 @@ def main() -> None:
         print(line)
     after = os.getloadavg()
     save_data("default_target", results, args.out.parent / "results")
-    if args.smoke:
-        return
     command = " ".join(["python benchmarks/default_target.py", *sys.argv[1:]])
     lines = [
         "## The default target batch size against N x the per-peer batch (`benchmarks/default_target.py`, issue 27)",
