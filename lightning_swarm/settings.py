@@ -92,11 +92,14 @@ class SwarmSettings:
     stage's peer sends its output on to a peer of the next (chosen as the trainer chooses: load-aware, at random)
     and the trainer fetches the last stage's output from its peer; backward goes back the same way. The trainer's
     link carries one transfer each way per microbatch instead of one per stage. ``"star"``: the trainer relays
-    every stage boundary itself. Default ``"star"``."""
-    delayed_updates: bool = field(default=True, metadata={CAST: flag})
+    every stage boundary itself. Default ``"chain"`` (across emulated hosts at 50 Mbit/s, 1.85x star's samples/s with
+    0.34x the bytes on the trainer's link: ``benchmarks/wiring.py``)."""
+    delayed_updates: Optional[bool] = field(default=None, metadata={CAST: flag})
     """a stage's all-reduce and optimizer step run in the background while its peer keeps serving with the
     previous parameters; the new ones serve from the first forward after the step finished (one step of
-    staleness at most, only for work done during the step). Default True."""
+    staleness at most, only for work done during the step). Default: on where the stage computes on the CPU, off on
+    a GPU, where the background step runs on the host and cost more than it hid (an H100, d_model 2048: 4.0
+    samples/s against 6.7 with synchronous steps, ``../shared/gpu/README.md``)."""
     microbatches: Microbatches = field(default="auto", metadata={CAST: check_microbatches})
     """a training batch is split into this many microbatches that travel through the stages concurrently, so
     that one trainer keeps several stages busy and transfers overlap compute (loss and gradients equal the

@@ -415,7 +415,8 @@ class SwarmStrategy(Strategy):
             self._stage = Stage(self._spans[stage], module, None, self._pipeline)
         if train:
             user = partitioning.stage_optimizer(self.lightning_module, self._pipeline.path, self._stage.module)
-            self._stage.optimizer = self._swarm_optimizer(user, stage, self.delayed_updates)
+            delayed = self.delayed_updates if self.delayed_updates is not None else self.root_device.type == "cpu"
+            self._stage.optimizer = self._swarm_optimizer(user, stage, delayed)
         return self._stage
 
     def _init(self, blocks: nn.Module) -> None:
