@@ -92,7 +92,7 @@ class SwarmSettings:
     stage's peer sends its output on to a peer of the next (chosen as the trainer chooses: load-aware, at random)
     and the trainer fetches the last stage's output from its peer; backward goes back the same way. The trainer's
     link carries one transfer each way per microbatch instead of one per stage. ``"star"``: the trainer relays
-    every stage boundary itself. Default ``"chain"`` (across emulated hosts at 50 Mbit/s, 1.85x star's samples/s with
+    every stage boundary itself. Default ``"chain"`` (across emulated hosts at 50 Mbit/s, 1.90x star's samples/s with
     0.34x the bytes on the trainer's link: ``benchmarks/wiring.py``)."""
     delayed_updates: Optional[bool] = field(default=None, metadata={CAST: flag})
     """a stage's all-reduce and optimizer step run in the background while its peer keeps serving with the
