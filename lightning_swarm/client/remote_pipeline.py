@@ -373,8 +373,10 @@ class RemotePipeline(nn.Module):
         return {"onward": onward, "parcel": uuid.uuid4().hex, "origin": str(self.router.node.peer_id)}
 
     def _report(self, receipt: Receipt) -> None:
-        """Count and report the failovers of a chain's stages as this router's own."""
+        """Count and report the failovers of a chain's stages, and the failed calls behind them, as this router's
+        own."""
         for stage, method, failed, retried_on, error in receipt.failovers:
+            self.router.stats.failed[failed] = self.router.stats.failed.get(failed, 0) + 1
             self.router.failed_over(stage, method, failed, retried_on, error)
 
     def _backward_route(
@@ -486,7 +488,6 @@ class RemotePipeline(nn.Module):
     ) -> tuple[runtime_pb2.Tensor, str]:
         """Call ``method`` of ``stage`` (only on ``prefer`` without failover); the reply as it came, once ``check``
         passed it."""
-        self.router.stats.add(raw_bytes_sent=sum(compression.raw_nbytes(m) for m in messages))
         metadata = {"codec": self.codec, "train": train, **metadata}
         batch = int(messages[0].size[0]) if messages[0].size else 1
         if failover:

@@ -132,7 +132,9 @@ class RouterStats:
     chained: int = 0  # microbatch forwards that went stage to stage (chain wiring), not relayed by this process
     seconds: dict = field(default_factory=dict)  # stage -> seconds spent in successful calls to it
     chosen: dict = field(default_factory=dict)  # peer id -> number of calls sent there
-    failed: dict = field(default_factory=dict)  # peer id -> number of those calls that failed
+    # peer id -> number of those calls that failed, and of the calls that stage servers handing this process's
+    # microbatches on reported as failed (chain wiring): counted, not banned here (a receipt is the server's word)
+    failed: dict = field(default_factory=dict)
 
     def add(self, **counts: int) -> None:
         """Add to these counters what the router's callers see (backward passes recomputed, bytes sent before
@@ -376,6 +378,7 @@ class StageRouter:
             self.stats.calls += 1
             self.stats.chosen[peer] = self.stats.chosen.get(peer, 0) + 1
             self.stats.bytes_sent += protocol.payload_bytes(tensors)
+            self.stats.raw_bytes_sent += sum(compression.raw_nbytes(t) for t in tensors)
         start = time.perf_counter()
         try:
             request = self._request(stage, peer, method, tensors, metadata)

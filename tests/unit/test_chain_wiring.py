@@ -79,7 +79,8 @@ def shutdown(router: PeersRouter) -> None:
 def test_chain_equals_plain_and_star_and_the_trainer_sends_each_microbatch_once():
     """3 stages: output and input gradient equal plain computation's and star wiring's, exactly; the trainer's own
     calls carry the input and output gradient once per microbatch (a third of star's bytes sent), its stage-0
-    calls keep the forwards under this trainer's name on every hop, and no parcel or kept forward is left."""
+    calls keep the forwards under this trainer's name on every hop, and no parcel or kept forward is left; the bytes
+    counted uncompressed are those sent (no codec), the chained backward's included."""
     servers = [stage(k) for k in range(3)]
     modules = [s.module for s in servers]
     x = torch.randn(8, 8)
@@ -95,6 +96,8 @@ def test_chain_equals_plain_and_star_and_the_trainer_sends_each_microbatch_once(
         # per microbatch: a forward to stage 0 and a backward to stage 2, each with a collect of the parcel
         assert chain_router.stats.calls == 2 * 4 and star_router.stats.calls == 2 * 6
         assert star_router.stats.bytes_sent == 3 * chain_router.stats.bytes_sent
+        for router in (chain_router, star_router):  # uncompressed: every call's tensors counted raw as sent
+            assert router.stats.raw_bytes_sent == router.stats.bytes_sent > 0, router.stats
         assert all(len(s.kept) == 0 and len(s.onward.parcels) == 0 for s in servers)
         assert chain_router.stats.failovers == chain_router.stats.recomputed == 0
         assert chain_router.stats.chained == 2 and star_router.stats.chained == 0
@@ -147,7 +150,8 @@ def test_a_last_stage_peer_lost_before_backward_is_recomputed_elsewhere_and_coun
 
 def test_a_failing_next_stage_peer_fails_over_inside_the_chain_and_the_trainer_hears_of_it():
     """Stage 0's peer hands its output to a failing peer of stage 1 first, then to the other: the result is exact,
-    and the failover reaches the trainer's router (counted, and as an event) through the receipt."""
+    and the failover reaches the trainer's router (counted with the failed call, and as an event) through the
+    receipt."""
     servers = [stage(k) for k in range(3)]
     modules = [s.module for s in servers]
     x = torch.randn(8, 8)
@@ -158,7 +162,7 @@ def test_a_failing_next_stage_peer_fails_over_inside_the_chain_and_the_trainer_h
     try:
         got = run(pipeline(router, modules, microbatches=1), x)
         torch.testing.assert_close(got[1], plain(modules, x)[1], rtol=0, atol=0)
-        assert failing.calls == 1 and router.stats.failovers == 1
+        assert failing.calls == 1 and router.stats.failovers == 1 and router.stats.failed == {"bad": 1}
         assert [(e.stage, e.failed_peer, e.retried_on) for e in heard] == [(1, "bad", "p1")]
     finally:
         shutdown(router)
