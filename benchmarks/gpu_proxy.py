@@ -6,7 +6,8 @@ Only the device is emulated (benchmarks/emulated_device.py): one timeline shared
 enqueued on it, syncs that sleep until the process's work is done, pipeline blocks that hold the GIL for their launch
 and return real tensors of the real size without computing them. Calibration: the H100's per-sample block times
 (../shared/gpu/README.md), examples/gpt.py's shapes: 8 blocks, batch 8 x 512 tokens, 2 stages, fp32 (``--bf16``:
-bf16-mixed's block times, measured on an H100 with ``gpu.py --calibrate``); launch costs measured on this CPU (a tiny block's forward and backward).
+bf16-mixed's block times, measured on an H100 with ``gpu.py --calibrate``); launch costs measured on this CPU (a tiny
+block's forward and backward).
 
 Each swarm (a d_model and a target batch size) runs phases one after the other, side by side in one run: 2, 4 and 8
 microbatches, then "auto" (warm-up batches until its tuning settled), each phase's warm-up batches excluded from

@@ -28,11 +28,11 @@
 # Results: OUT_DIR/RESULTS.md (the gpu, out_of_core and gpu_proxy sections), OUT_DIR/summary.txt and, packed in
 # OUT_DIR/all.tgz (the device sends back a few files only), the logs, stage_memory_<precision>.json and
 # results/*.json: unpacked here (`tar xzf <files_at>/all.tgz -C DIR`), merge them with `python benchmarks/gpu.py
-# --merge DIR/results/gpu.json` and `python benchmarks/out_of_core.py --merge DIR/results/out_of_core.json`. Every process a step starts
-# carries a mark in its environment: those still alive after the step (peers in sessions of their own, their p2pd)
-# are killed, so that none holds GPU memory in the next step. Budget: 540 s in all (the device allows 600 s a
-# command); the limits below are upper bounds, and what the steps before it leave unused goes to the gpu step. The
-# limits are estimates for an H100 with 16 cores: after a first run, set them from summary.txt.
+# --merge DIR/results/gpu.json` and `python benchmarks/out_of_core.py --merge DIR/results/out_of_core.json`. Every
+# process a step starts carries a mark in its environment: those still alive after the step (peers in sessions of
+# their own, their p2pd) are killed, so that none holds GPU memory in the next step. Budget: 540 s in all (the
+# device allows 600 s a command); the limits below are upper bounds, and what the steps before it leave unused goes
+# to the gpu step. The limits are estimates for an H100 with 16 cores: after a first run, set them from summary.txt.
 set -uo pipefail
 
 if [[ ${1:-} == --fetch-test-wheels ]]; then  # here, with the registries: what the GPU tests need beyond the benchmarks

@@ -376,7 +376,7 @@ class RemotePipeline(nn.Module):
         """Count and report the failovers of a chain's stages, and the failed calls behind them, as this router's
         own."""
         for stage, method, failed, retried_on, error in receipt.failovers:
-            self.router.stats.failed[failed] = self.router.stats.failed.get(failed, 0) + 1
+            self.router.count_failed(failed)
             self.router.failed_over(stage, method, failed, retried_on, error)
 
     def _backward_route(

@@ -362,9 +362,13 @@ class StageRouter:
             self.blame(stage, peer, repr(e))
             raise
 
+    def count_failed(self, peer: str) -> None:
+        """Count a failed call to ``peer`` (this router's, or one a stage server reported in a receipt)."""
+        self.stats.failed[peer] = self.stats.failed.get(peer, 0) + 1
+
     def blame(self, stage: int, peer: str, why: str) -> None:
         """Count a failure of ``peer`` (of ``stage``) and ban it for a while."""
-        self.stats.failed[peer] = self.stats.failed.get(peer, 0) + 1
+        self.count_failed(peer)
         self._ban(stage, peer)
         log.warning("Stage %d: peer %s failed (%s)", stage, peer, why)
 
