@@ -15,7 +15,8 @@ def test_wiring_smoke(tmp_path):
     """Both wirings trained every step to a finite loss, and the bytes on the trainer's link fit each wiring: every
     sample's input and output and their gradients cross it (4 activations, fp32 in the smoke), and star also relays
     each of the 2 inner stage boundaries both ways, forward and backward (12 in all, with 3 stages), so that chain's
-    trainer moves well under half of star's bytes per sample. Byte counts, not times: they hold on a loaded machine."""
+    trainer moves well under half of star's bytes per sample. Byte counts, not times: they hold on a loaded machine,
+    within the step that each edge of the counted window may straddle."""
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
@@ -27,6 +28,11 @@ def test_wiring_smoke(tmp_path):
         assert row["steps"] == row["load"]["steps"] and math.isfinite(row["last_loss"]), row
         assert f"| {row['samples_per_s']:.2f} | {row['trainer_bytes_per_sample'] / 1024:.1f} |" in text, text
     activation = row["load"]["block"] * row["d_model"] * 4  # one sample's, fp32
+    # The link's counters are read once the trainer's record shows a step, which may be while the next step's bytes
+    # are already crossing: each edge of the window may miss part of a step, together at most one of its steps.
+    measured = row["load"]["steps"] - row["load"]["warmup"]
+    edges = (measured - 1) / measured
     star, chain = rows["star"]["trainer_bytes_per_sample"], rows["chain"]["trainer_bytes_per_sample"]
-    assert star >= 4 * row["stages"] * activation and chain >= 4 * activation, (star, chain, activation)
+    assert star >= edges * 4 * row["stages"] * activation, (star, activation)
+    assert chain >= edges * 4 * activation, (chain, activation)
     assert chain < 0.5 * star, (chain, star)
