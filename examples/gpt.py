@@ -254,6 +254,7 @@ class History(SwarmCallback):
             call_seconds=self.call_seconds,
             recomputed=stats.recomputed,
             chained=stats.chained,
+            chain_breaks=stats.chain_breaks,
             stage_changes=self.stage_changes,
             peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             # gradient all-reduce rounds, those that failed (this peer stepped alone), and the time they held it up

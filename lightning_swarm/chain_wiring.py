@@ -14,7 +14,11 @@ A chained request's metadata carries, besides what any request does:
   forward under, the blocks' side inputs and how many of the request's last tensors are that hop's side inputs,
   as the trainer would send them itself); backward: ``{"stage", "peer", "kept"}`` (the peer that kept the forward);
 - ``"origin"``: the trainer whose kept forwards these are, as the key's scope on every hop (a kept forward is
-  stored by one caller and used by another, its backward coming from the next stage's peer).
+  stored by one caller and used by another, its backward coming from the next stage's peer);
+- ``"budget"``: the seconds its caller waits for the receipt (set by the router on every attempt). A hop hands on
+  only while its caller still waits, less a margin for the receipt's way back, and tells the next hop what is
+  left: a chain that cannot go on answers :class:`~lightning_swarm.errors.ChainBrokenError` in time, and its
+  caller, not waiting past its own timeout, blames no innocent peer.
 
 Its reply is a :class:`Receipt`. A collect request is a forward with ``{"collect": parcel}`` and no tensor; its
 reply is the parcel as the parking hop encoded it.
@@ -33,6 +37,7 @@ from lightning_swarm.errors import BadReplyError, SwarmRequestError
 
 MAX_HOPS = 256  # more onward hops than any pipeline has stages: refused
 MAX_KEY = 64  # characters of a parcel key, a kept forward's key or an origin
+MAX_BUDGET = 86400.0  # seconds: a longer budget is refused
 
 
 @dataclass
@@ -110,6 +115,17 @@ def onward_hops(metadata: dict, kind: str) -> list[dict]:
         elif not (_is_key(hop.get("peer"), 128) and _is_key(hop.get("kept"))):
             raise SwarmRequestError("an onward backward hop names the peer and the key of the kept forward")
     return hops
+
+
+def deadline(metadata: dict, arrived: float) -> Optional[float]:
+    """When (``time.monotonic()``) a chained request that ``arrived`` then must have its receipt sent: its budget
+    less a margin for the receipt's way back (a tenth of it, at least 1 s); None if it gives no budget."""
+    budget = metadata.get("budget")
+    if budget is None:
+        return None
+    if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not 0 < budget <= MAX_BUDGET:
+        raise SwarmRequestError(f"a chained request's budget is a number of seconds in (0, {MAX_BUDGET:g}]")
+    return arrived + budget - max(1.0, budget / 10)
 
 
 def collect_key(metadata: dict) -> Optional[str]:

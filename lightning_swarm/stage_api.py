@@ -76,6 +76,7 @@ class Routes(Protocol):
         check: Optional[Callable[[list], None]] = None,
         report: Optional[Callable[[Any], None]] = None,
         wait_timeout: Optional[float] = None,
+        deadline: Optional[float] = None,
     ) -> tuple[list, str]: ...
 
     def call_peer(
@@ -87,6 +88,8 @@ class Routes(Protocol):
         metadata: dict,
         batch: int,
         check: Optional[Callable[[list], None]] = None,
+        count: bool = True,
+        timeout: Optional[float] = None,
     ) -> list: ...
 
     def choose(self, stage: int, batch: int, exclude: frozenset = frozenset()) -> Optional[str]: ...

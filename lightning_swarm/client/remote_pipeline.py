@@ -48,6 +48,7 @@ from lightning_swarm.errors import (
     CALLERS_FAULT,
     ActivationsLostError,
     BadReplyError,
+    ChainBrokenError,
     NonFiniteInputError,
     StageUnavailableError,
 )
@@ -278,6 +279,8 @@ class RemotePipeline(nn.Module):
             except Exception as e:  # a broken chain, a bad receipt or parcel, or the last peer gone since
                 log.warning("Stage-to-stage forward failed (%r): relaying this microbatch instead", e)
                 self.router.failed_over(hops[0][1].stage, "forward", "chain", "star", e)
+                if isinstance(e, ChainBrokenError):  # the chain broke at a server, not at a call of this process
+                    self.router.stats.add(chain_breaks=1)
         route = Route(train)
         blamed = 0
         while len(route.peers) < len(hops):
@@ -466,6 +469,8 @@ class RemotePipeline(nn.Module):
                 failed = e
         if failed is not None:
             self.router.stats.add(recomputed=1)
+        if failed and isinstance(failed, str):  # a stage server's call, handing the gradient on, failed there
+            self.router.blame(stage, peer, f"reported by the peer handing the gradient on: {failed}")
         side = route.sides[hop]
         extra = _parts(side)
         messages = [inputs, grad, *extra[0]]

@@ -35,7 +35,7 @@ from hivemind.p2p import P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout
 
-from lightning_swarm import compression, device_sync, discovery, events, protocol
+from lightning_swarm import chain_wiring, compression, device_sync, discovery, events, protocol
 from lightning_swarm.discovery import PeerRecord, PeerState
 from lightning_swarm.errors import (
     CALLERS_FAULT,
@@ -130,10 +130,14 @@ class RouterStats:
     side_bytes_sent: int = 0  # of bytes_sent, the blocks' side inputs (rotary tables, masks...) sent with forwards
     samples_sent: int = 0  # samples sent forward into the pipeline (each microbatch once, whatever its hops)
     chained: int = 0  # microbatch forwards that went stage to stage (chain wiring), not relayed by this process
+    # chained forwards that a stage server could not hand on (ChainBrokenError), relayed by this process instead:
+    # each also a failover, with no failed call of this process behind it
+    chain_breaks: int = 0
     seconds: dict = field(default_factory=dict)  # stage -> seconds spent in successful calls to it
     chosen: dict = field(default_factory=dict)  # peer id -> number of calls sent there
     # peer id -> number of those calls that failed, and of the calls that stage servers handing this process's
-    # microbatches on reported as failed (chain wiring): counted, not banned here (a receipt is the server's word)
+    # microbatches on reported as failed (chain wiring): a forward's counted, not banned here (a receipt is the
+    # server's word); a backward's peer banned too, as that hop is recomputed on its stage at once
     failed: dict = field(default_factory=dict)
 
     def add(self, **counts: int) -> None:
@@ -234,6 +238,7 @@ class StageRouter:
         check: Optional[Callable[[Reply], None]] = None,
         report: Optional[Callable[[events.Failover], None]] = None,
         wait_timeout: Optional[float] = None,
+        deadline: Optional[float] = None,
     ) -> tuple[Reply, str]:
         """Run ``method`` of ``stage`` on some peer, failing over to others; returns the reply and the peer used.
 
@@ -241,7 +246,9 @@ class StageRouter:
         no usable peer at all, or its peers answer busy (a full queue, out of memory), this waits for one (up to
         ``wait_timeout`` seconds, by default ``stage_wait_timeout``) instead. What was the caller's fault
         (``CALLERS_FAULT``) raises at once, as does a broken chain of stage-to-stage sends. A failover is reported
-        to ``report`` instead of this router's counters and events, if given.
+        to ``report`` instead of this router's counters and events, if given, and then the failed calls behind it
+        are not counted here either: whoever gets the report counts them. With a ``deadline`` (``time.monotonic()``),
+        each attempt waits at most what is left of it, and none starts after it (:class:`TimeoutError`).
         """
         wait_timeout = self.stage_wait_timeout if wait_timeout is None else wait_timeout
         if prefer is not None and self._banned(stage, prefer):
@@ -250,6 +257,7 @@ class StageRouter:
         last_error: Optional[BaseException] = None
         failures, busy, waiting_since, busy_since, failed_peer = 0, 0, None, None, None
         while True:
+            self._time_left(deadline, stage, last_error)  # waiting for a peer, too, ends at the deadline
             peer = prefer if failures + busy == 0 and waiting_since is None and prefer is not None else None
             peer = peer or self.choose(stage, batch, exclude=frozenset(tried))
             if peer is None:
@@ -267,7 +275,8 @@ class StageRouter:
             # waiting_since is kept: a banned peer retried once its ban expired (a dead one, whose record has not
             # expired yet) must not restart the count towards stage_wait_timeout
             try:
-                reply = self.call_peer(stage, peer, method, tensors, metadata, batch, check)
+                timeout = self._time_left(deadline, stage, last_error)
+                reply = self.call_peer(stage, peer, method, tensors, metadata, batch, check, report is None, timeout)
                 if last_error is not None:
                     self.failed_over(stage, method, failed_peer, peer, last_error, report)
                 return reply, peer
@@ -312,6 +321,14 @@ class StageRouter:
         if self.on_event is not None:
             self.on_event(event)
 
+    def _time_left(self, deadline: Optional[float], stage: int, last_error: Optional[BaseException]) -> float:
+        """Seconds an attempt may wait for its answer: ``request_timeout``, or less if ``deadline`` is nearer;
+        :class:`TimeoutError` once it passed."""
+        left = self.request_timeout if deadline is None else min(self.request_timeout, deadline - time.monotonic())
+        if left <= 0:
+            raise TimeoutError(f"the deadline to call stage {stage} passed (last error: {last_error!r})")
+        return left
+
     def _wait_for_peer(
         self, stage: int, since: float, last_error: Optional[BaseException], wait_timeout: Optional[float] = None
     ) -> None:
@@ -348,32 +365,38 @@ class StageRouter:
         metadata: dict,
         batch: int,
         check: Optional[Callable[[Reply], None]] = None,
+        count: bool = True,
+        timeout: Optional[float] = None,
     ) -> Reply:
         """One attempt on one peer; ``check`` vets its reply. A peer that fails (a bad reply included) other than by
-        refusing the request, answering busy or having dropped a forward's graph is banned for a while."""
+        refusing the request, answering busy or having dropped a forward's graph is banned for a while, and its
+        failure counted in :attr:`stats` unless ``count`` is False (a stage server handing on a trainer's
+        microbatch: the trainer counts it, from the receipt). ``timeout``: seconds to wait for the answer, by default
+        ``request_timeout``; a chained request tells the peer, which must answer within it (its ``budget``)."""
         try:
-            reply = self._call_peer(stage, peer, method, tensors, metadata, batch)
+            reply = self._call_peer(stage, peer, method, tensors, metadata, batch, timeout or self.request_timeout)
             if check is not None:
                 check(reply)
             return reply
         except (*CALLERS_FAULT, ActivationsLostError, StageBusyError, ChainBrokenError):
             raise
         except Exception as e:
-            self.blame(stage, peer, repr(e))
+            self.blame(stage, peer, repr(e), count)
             raise
 
     def count_failed(self, peer: str) -> None:
         """Count a failed call to ``peer`` (this router's, or one a stage server reported in a receipt)."""
         self.stats.failed[peer] = self.stats.failed.get(peer, 0) + 1
 
-    def blame(self, stage: int, peer: str, why: str) -> None:
-        """Count a failure of ``peer`` (of ``stage``) and ban it for a while."""
-        self.count_failed(peer)
+    def blame(self, stage: int, peer: str, why: str, count: bool = True) -> None:
+        """Ban ``peer`` (of ``stage``) for a while, and count its failure unless ``count`` is False."""
+        if count:
+            self.count_failed(peer)
         self._ban(stage, peer)
         log.warning("Stage %d: peer %s failed (%s)", stage, peer, why)
 
     def _call_peer(
-        self, stage: int, peer: str, method: str, tensors: list, metadata: dict, batch: int
+        self, stage: int, peer: str, method: str, tensors: list, metadata: dict, batch: int, timeout: float
     ) -> list[runtime_pb2.Tensor]:
         load = self._peers[stage].get(peer)
         with self._lock:
@@ -385,8 +408,10 @@ class StageRouter:
             self.stats.raw_bytes_sent += sum(compression.raw_nbytes(t) for t in tensors)
         start = time.perf_counter()
         try:
-            request = self._request(stage, peer, method, tensors, metadata)
-            reply = self.node.run(request, self.request_timeout + 1 + 2 * CONNECT_TIMEOUT)  # + a failed direct try
+            if chain_wiring.is_chained(metadata):
+                metadata = metadata | {"budget": timeout}
+            request = self._request(stage, peer, method, tensors, metadata, timeout)
+            reply = self.node.run(request, timeout + 1 + 2 * CONNECT_TIMEOUT)  # + a failed direct try
         except P2PHandlerError as e:
             raise _remote_error(e) from None
         finally:
@@ -402,13 +427,13 @@ class StageRouter:
         return reply
 
     async def _request(
-        self, stage: int, peer: str, method: str, tensors: list, metadata: dict
+        self, stage: int, peer: str, method: str, tensors: list, metadata: dict, timeout: float
     ) -> list[runtime_pb2.Tensor]:
         uid = stage_uid(self.run_id, stage)
         server = self.local_server
         if server is not None and server.stage == stage and peer == str(self.node.peer_id):
             request = DirectRequest(uid, list(tensors), protocol.encode_metadata(metadata))
-            return await asyncio.wait_for(server.answer_tensors(method, request), self.request_timeout)
+            return await asyncio.wait_for(server.answer_tensors(method, request), timeout)
         load = self._peers[stage].get(peer)
         address = load.record.address if load is not None and self.direct else ""
         if address and self._unreachable.get(peer, 0.0) <= time.monotonic():
@@ -417,14 +442,14 @@ class StageRouter:
                     self.node.p2p, self.node.peer_id, self.run_id, getattr(self.node, "policy", None)
                 )
                 raw_metadata = protocol.encode_metadata(metadata)
-                reply = await client.call(peer, address, method, uid, tensors, raw_metadata, self.request_timeout)
+                reply = await client.call(peer, address, method, uid, tensors, raw_metadata, timeout)
                 self._count_call(direct=True)
                 return reply
             except DirectUnreachable as e:
                 self._mark_unreachable(peer, e)
         stub = StageService.get_stub(self.node.p2p, PeerID.from_base58(peer), namespace=self.run_id)
         metadata, tensors = self._with_token(metadata, peer), [compression.to_message(t) for t in tensors]
-        reply, _ = await protocol.call(stub, method, uid, tensors, metadata, self.request_timeout)
+        reply, _ = await protocol.call(stub, method, uid, tensors, metadata, timeout)
         self._count_call(direct=False)
         return reply
 

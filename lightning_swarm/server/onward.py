@@ -2,7 +2,8 @@
 (:mod:`~lightning_swarm.chain_wiring`), and parks the output of the hop that ends the chain for the trainer.
 
 Forward: the next peer is chosen by this peer's router as a trainer's router chooses (load-aware, at random), with
-the same failover to other peers of that stage. If none takes it within ``wait_timeout`` seconds, the request fails
+the same failover to other peers of that stage. If none takes it within ``wait_timeout`` seconds, or before the
+caller stops waiting (the request's deadline, :func:`~lightning_swarm.chain_wiring.deadline`), the request fails
 with :class:`~lightning_swarm.errors.ChainBrokenError` and the trainer relays that microbatch itself. A next stage
 that finds NaN or Inf in the output refuses it: this peer made it, so it reports its own failure
 (:class:`~lightning_swarm.errors.StageFailedError`) and its caller fails over to another peer of this stage.
@@ -89,18 +90,34 @@ class Onward:
         self._pool = ThreadPoolExecutor(MAX_HANDING_ON, "swarm-onward")
 
     async def hand_on(
-        self, kind: str, output: compression.WireTensor, metadata: dict, hops: list[dict], sides: list, batch: int
+        self,
+        kind: str,
+        output: compression.WireTensor,
+        metadata: dict,
+        hops: list[dict],
+        sides: list,
+        batch: int,
+        deadline: Optional[float] = None,
     ) -> compression.WireTensor:
         """The receipt for a chained request whose own hop made ``output``: parked if the chain ends here, else
-        after the next hop took it (with ``sides``, the side inputs of the hops after this one)."""
+        after the next hop took it (with ``sides``, the side inputs of the hops after this one), before
+        ``deadline`` (``time.monotonic()``) if given."""
         if not hops:
             self.parcels.park(metadata["parcel"], output)
             return Receipt().encode()
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._hand_on, kind, output, metadata, hops, sides, batch)
+        hand_on = self._hand_on
+        return await loop.run_in_executor(self._pool, hand_on, kind, output, metadata, hops, sides, batch, deadline)
 
     def _hand_on(
-        self, kind: str, output: compression.WireTensor, metadata: dict, hops: list[dict], sides: list, batch: int
+        self,
+        kind: str,
+        output: compression.WireTensor,
+        metadata: dict,
+        hops: list[dict],
+        sides: list,
+        batch: int,
+        deadline: Optional[float],
     ) -> compression.WireTensor:
         routes, (hop, rest) = self.routes, (hops[0], hops[1:])
         request = {name: metadata[name] for name in PASSED_ON if name in metadata} | {"onward": rest}
@@ -108,7 +125,7 @@ class Onward:
         if routes is None:
             raise ChainBrokenError(f"the peer of stage {self.stage} has no router to reach stage {hop['stage']}")
         if kind == "backward":
-            return self._backward(routes, hop, output, request | {"kept": hop["kept"]}, batch, check)
+            return self._backward(routes, hop, output, request | {"kept": hop["kept"]}, batch, check, deadline)
         request |= {name: hop[name] for name in ("keep", "calls") if hop.get(name) is not None}
         failovers: list[list] = []
         try:
@@ -121,6 +138,7 @@ class Onward:
                 check=check,
                 report=lambda event: failovers.append(_listed(event)),
                 wait_timeout=self.wait_timeout,
+                deadline=deadline,
             )
         except NonFiniteInputError:
             raise StageFailedError(f"stage {self.stage} made an output with NaN or Inf") from None
@@ -131,10 +149,20 @@ class Onward:
         return check.receipt.after(peer, failovers).encode()
 
     def _backward(
-        self, routes: Routes, hop: dict, grad: compression.WireTensor, request: dict, batch: int, check: ReceiptCheck
+        self,
+        routes: Routes,
+        hop: dict,
+        grad: compression.WireTensor,
+        request: dict,
+        batch: int,
+        check: ReceiptCheck,
+        deadline: Optional[float],
     ) -> compression.WireTensor:
         try:
-            routes.call_peer(hop["stage"], hop["peer"], "backward", [grad], request, batch, check)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError("no time left to hand the gradient on before the caller stops waiting")
+            routes.call_peer(hop["stage"], hop["peer"], "backward", [grad], request, batch, check, False, left)
         except NonFiniteInputError:
             raise StageFailedError(f"stage {self.stage} made a gradient with NaN or Inf") from None
         except CALLERS_FAULT:

@@ -31,6 +31,7 @@ import asyncio
 import logging
 import math
 import queue
+import time
 from concurrent.futures import Future
 from typing import AsyncIterator, Optional, Sequence
 
@@ -256,6 +257,7 @@ class StageServer(StageService):
         """Validate a forward or backward request, run it on the worker and encode the reply. ``request`` may also
         be any object with its fields (``uid``, ``tensors``, ``metadata``), e.g. from the direct path. ``caller``
         (a peer id) is whom the queue and the kept activations are shared between."""
+        arrived = time.monotonic()
         try:
             self._check_uid(request.uid)
             metadata = protocol.decode_metadata(request.metadata)
@@ -272,6 +274,7 @@ class StageServer(StageService):
                 raise SwarmRequestError("a kept forward's key must be a string of 1 to 64 characters")
             chained = chain_wiring.is_chained(metadata)
             hops = chain_wiring.onward_hops(metadata, kind) if chained else []
+            deadline = chain_wiring.deadline(metadata, arrived) if chained else None
             passed = sum(hop.get("sides", 0) for hop in hops)  # side inputs of the hops after this one
             if passed > len(request.tensors):
                 raise SwarmRequestError(f"onward hops claim {passed} side inputs of {len(request.tensors)} tensors")
@@ -296,7 +299,7 @@ class StageServer(StageService):
             output, done = await asyncio.wrap_future(task.future)
             encoded = await loop.run_in_executor(None, self._encode, output, done, codec)
             if chained:
-                encoded = await self.onward.hand_on(kind, encoded, metadata, hops, onward, task.batch)
+                encoded = await self.onward.hand_on(kind, encoded, metadata, hops, onward, task.batch, deadline)
         except (ActivationsLostError, NotServingError, ChainBrokenError):
             raise  # expected when the caller's view is stale: no log line
         except StageBusyError as e:

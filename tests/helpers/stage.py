@@ -68,7 +68,7 @@ class InProcessRouter:
     def call(self, stage, method, messages, metadata, batch, prefer=None, check=None):
         return self.call_peer(stage, "peer", method, messages, metadata, batch, check), "peer"
 
-    def call_peer(self, stage, peer, method, messages, metadata, batch, check=None):
+    def call_peer(self, stage, peer, method, messages, metadata, batch, check=None, count=True, timeout=None):
         server = self.servers[stage]
         request = DirectRequest(server.uid, list(messages), protocol.encode_metadata(metadata))
         reply = asyncio.run(server.answer_tensors(method, request))
@@ -102,10 +102,12 @@ class PeersRouter(StageRouter):
             speed = {p: 1e9 if p in first else 1.0 for p in peers}
             self._peers[stage] = {p: PeerLoad(PeerRecord(p, stage, PeerState.SERVING, speed[p], 0)) for p in peers}
 
-    async def _request(self, stage, peer, method, tensors, metadata):
+    async def _request(self, stage, peer, method, tensors, metadata, timeout):
         request = DirectRequest(stage_uid("run", stage), list(tensors), protocol.encode_metadata(metadata))
-        try:
-            return await self.servers[peer].answer_tensors(method, request, "trainer")
+        try:  # waited for as the direct path waits
+            return await asyncio.wait_for(self.servers[peer].answer_tensors(method, request, "trainer"), timeout)
+        except TimeoutError:
+            raise
         except Exception as e:
             raise transport.header_error(transport.error_header(e)) from None
 

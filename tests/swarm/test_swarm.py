@@ -180,8 +180,9 @@ def test_failover_after_kill_9(swarm, tmp_path):
     final = history(record)
     assert final["steps"] == steps and len(final["losses"]) == steps
     failed = final["failed_calls_per_peer"].get(victim, 0)
-    print(f"failover: {final['failovers']} failovers, {failed} failed calls to the dead peer")
-    assert final["failovers"] == failed  # every failed call was retried elsewhere and succeeded there
+    breaks = final["chain_breaks"]  # chains a stage server could not hand on to the dead peer: relayed instead
+    print(f"failover: {final['failovers']} failovers, {failed} failed calls to the dead peer, {breaks} chain breaks")
+    assert final["failovers"] == failed + breaks  # every failed call or chain was retried elsewhere and succeeded
     # the calls in flight at the kill at most (up to 2 per microbatch; 4 microbatches: batch 8, 'auto' with 2 stages);
     # then the peer is banned and forgotten
     assert failed <= 2 * 4

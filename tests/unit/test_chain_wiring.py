@@ -5,6 +5,7 @@ next-stage peer, NaN made by a stage) end as star wiring's do."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -30,6 +31,13 @@ class Failing:
     async def answer_tensors(self, kind, request, caller):
         self.calls += 1
         raise StageFailedError("this peer's worker died")
+
+
+class Hanging:
+    """A stage peer that never answers (its host is gone, and nothing tells the caller)."""
+
+    async def answer_tensors(self, kind, request, caller):
+        await asyncio.sleep(3600)
 
 
 def stage(index: int, module: torch.nn.Module | None = None) -> StageServer:
@@ -168,6 +176,51 @@ def test_a_failing_next_stage_peer_fails_over_inside_the_chain_and_the_trainer_h
         shutdown(router)
 
 
+def test_a_failover_inside_the_chain_is_counted_once_where_the_trainer_serves_the_first_stage():
+    """A peer that trains and serves stage 0 hands on through its trainer's own router: the failed call to stage
+    1's failing peer bans it there, and is counted once, as the one failover it caused (not again from the
+    receipt)."""
+    servers = [stage(k) for k in range(3)]
+    modules = [s.module for s in servers]
+    x = torch.randn(8, 8)
+    router = PeersRouter([{"p0": servers[0]}, {"bad": Failing(), "p1": servers[1]}, {"p2": servers[2]}], ("bad",))
+    for server in servers:
+        server.onward.routes = router
+    try:
+        got = run(pipeline(router, modules, microbatches=1), x)
+        torch.testing.assert_close(got[1], plain(modules, x)[1], rtol=0, atol=0)
+        assert router.stats.failovers == 1 and router.stats.failed == {"bad": 1} and router.banned("bad")
+    finally:
+        shutdown(router)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["servers-routers", "trainers-router"])
+def test_a_backward_the_next_peer_fails_stops_there_and_counts_one_failed_call(shared):
+    """Stage 1's peer that kept the forward fails before the backward: stage 2's peer parks the gradient, the
+    trainer recomputes stage 1 on its other peer and counts the failover with the one failed call behind it,
+    whether stage 2's peer handed on through a router of its own or through the trainer's."""
+    servers = [stage(k) for k in range(3)]
+    modules = [s.module for s in servers]
+    x = torch.randn(4, 8)
+    stages = [{"p0": servers[0]}, {"p1": servers[1], "p1b": stage(1)}, {"p2": servers[2]}]
+    router = swarm(stages, first=("p1",))
+    if shared:
+        for server in (*servers, stages[1]["p1b"]):
+            server.onward.routes = router
+    try:
+        x_ = x.clone().requires_grad_()
+        y = pipeline(router, modules, microbatches=1)(x_)
+        for seen_by in (router, servers[2].onward.routes):
+            seen_by.servers["p1"] = Failing()
+        y.square().sum().backward()
+        torch.testing.assert_close(x_.grad, plain(modules, x)[1], rtol=0, atol=0)
+        assert router.stats.recomputed == router.stats.failovers == 1 and router.stats.failed == {"p1": 1}
+    finally:
+        shutdown(router)
+        stages[1]["p1b"].shutdown()
+        servers[1].shutdown()
+
+
 def test_a_chain_with_no_peer_for_a_stage_breaks_and_the_trainer_relays_the_microbatch():
     """The servers see no peer of stage 2 (their view is stale): stage 1's peer gives up after its wait, the chain
     is broken without blaming anyone, and the trainer relays that microbatch itself. Exact; one failover each."""
@@ -181,6 +234,27 @@ def test_a_chain_with_no_peer_for_a_stage_breaks_and_the_trainer_relays_the_micr
         torch.testing.assert_close(got[0], plain(modules, x)[0], rtol=0, atol=0)
         torch.testing.assert_close(got[1], plain(modules, x)[1], rtol=0, atol=0)
         assert router.stats.failovers == 2 and router.stats.failed == {}
+    finally:
+        shutdown(router)
+
+
+def test_a_chain_that_cannot_go_on_answers_before_its_caller_stops_waiting():
+    """Stage 0's peer hands on to a stage-1 peer that never answers, with a router whose own request timeout is far
+    longer than the trainer's: the trainer's budget bounds the hand-on, so stage 0's peer answers that the chain
+    broke while the trainer still waits. The trainer then relays the microbatch (exact), blaming no stage-0 peer."""
+    servers = [stage(k) for k in range(3)]
+    modules = [s.module for s in servers]
+    x = torch.randn(4, 8)
+    stages = [{"p0": servers[0]}, {"hang": Hanging(), "p1": servers[1]}, {"p2": servers[2]}]
+    onward = PeersRouter(stages, first=("hang",), request_timeout=600.0)
+    for server in servers:
+        server.onward.routes = onward
+    router = PeersRouter(stages, first=("p1",), request_timeout=3.0)
+    try:
+        got = run(pipeline(router, modules, microbatches=1), x)
+        torch.testing.assert_close(got[1], plain(modules, x)[1], rtol=0, atol=0)
+        assert router.stats.chain_breaks == router.stats.failovers == 1 and router.stats.failed == {}
+        assert not router.banned("p0") and onward.banned("hang") and onward.stats.failed == {}
     finally:
         shutdown(router)
 

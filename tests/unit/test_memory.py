@@ -217,7 +217,7 @@ def test_busy_peers_are_waited_for_not_counted_as_failures(monkeypatch):
     router._peers[0] = {"only": PeerLoad(PeerRecord("only", 0, PeerState.SERVING, 1.0, 0))}
     answers = [StageBusyError("busy"), StageBusyError("out of memory"), StageBusyError("busy"), ["reply"]]
 
-    def call_peer(*args):
+    def call_peer(*args, **kwargs):
         answer = answers.pop(0)
         if isinstance(answer, Exception):
             raise answer

@@ -63,7 +63,7 @@ def test_wait_for_a_stage_is_not_restarted_by_retrying_a_banned_peer(monkeypatch
     def choose(stage, batch, exclude=frozenset()):
         return None if "dead" in exclude or clock.now < banned_until else "dead"
 
-    def call_dead_peer(*args):
+    def call_dead_peer(*args, **kwargs):
         nonlocal banned_until
         attempts.append(clock.now)
         banned_until = clock.now + 1.5  # longer than the first pauses between attempts
