@@ -43,10 +43,12 @@ MAX_BUDGET = 86400.0  # seconds: a longer budget is refused
 @dataclass
 class Receipt:
     """What a chained request's hop answers once the chain ended: the peers that ran the hops after it, as far as
-    the chain went (the last holds the parcel); whether a backward stopped there because its next hop's peer could
-    not take it (then the parcel is the gradient for that hop: the trainer recomputes it); and the failovers on the
-    way, as ``[stage, method, failed peer, peer retried on, error]``. ``error``: why a stopped backward's next peer
-    failed, empty if it was alive but had dropped the forward's graph."""
+    the chain went (the last holds the parcel); whether it stopped there because its next hop's peer could not take
+    it (a backward: the parcel is the gradient for that hop, which the trainer recomputes; a forward: nothing is
+    parked, the trainer relays the microbatch); and the failovers on the way, as ``[stage, method, failed peer,
+    peer retried on, error]``, with no peer retried on (``""``) for the call whose failure stopped the chain.
+    ``error``: why the chain stopped, empty if a backward's next peer was alive but had dropped the forward's
+    graph."""
 
     peers: list[str] = field(default_factory=list)
     stopped: bool = False

@@ -266,6 +266,7 @@ class RemotePipeline(nn.Module):
         the peer that sent it: that hop runs again on another peer."""
         hidden = compression.encode(inputs, self.codec)
         self.router.stats.add(samples_sent=int(inputs.shape[0]) if inputs.ndim else 1)
+        broken: Optional[Exception] = None
         if self.wiring == "chain" and len(hops) > 1:
             route = Route(train, [hop.stage for _, hop in hops], [hidden] + [None] * (len(hops) - 1), sides=sides)
             route.keys = [uuid.uuid4().hex if keep else None for _ in hops]
@@ -278,9 +279,7 @@ class RemotePipeline(nn.Module):
                 raise  # the request was wrong, or the first stage has no peer: relaying would not help
             except Exception as e:  # a broken chain, a bad receipt or parcel, or the last peer gone since
                 log.warning("Stage-to-stage forward failed (%r): relaying this microbatch instead", e)
-                self.router.failed_over(hops[0][1].stage, "forward", "chain", "star", e)
-                if isinstance(e, ChainBrokenError):  # the chain broke at a server, not at a call of this process
-                    self.router.stats.add(chain_breaks=1)
+                broken = e
         route = Route(train)
         blamed = 0
         while len(route.peers) < len(hops):
@@ -308,7 +307,23 @@ class RemotePipeline(nn.Module):
             route.peers.append(peer)
             route.keys.append(key)
             hidden = reply
+        if broken is not None:
+            self._relayed(broken, route)
         return check.decoded, route
+
+    def _relayed(self, broken: Exception, route: Route) -> None:
+        """Report the failover of a chained forward that this process relayed along ``route`` instead: from the peer
+        whose failed call stopped the chain at a stage server, if that server named it, to the peer the relay
+        used in that stage; else from the chain to the relay (``"chain"`` to ``"star"``), counted as a chain break
+        unless a call of this process failed (and was counted) first."""
+        stopped = broken.failed if isinstance(broken, _ChainStopped) else None
+        if stopped is not None:
+            stage, peer, error = stopped
+            self.router.failed_over(stage, "forward", peer, route.peers[route.stages.index(stage)], error)
+            return
+        self.router.failed_over(route.stages[0], "forward", "chain", "star", broken)
+        if isinstance(broken, (_ChainStopped, ChainBrokenError)):  # no call of this process failed
+            self.router.stats.add(chain_breaks=1)
 
     def _chain_forward(self, hidden: runtime_pb2.Tensor, route: Route, check: ReplyCheck) -> runtime_pb2.Tensor:
         """Forward along ``route``'s stages, stage to stage; the peers that ran them go into ``route``. Returns the
@@ -325,10 +340,12 @@ class RemotePipeline(nn.Module):
         own, chained = {"keep": route.keys[0], **(first.metadata if first is not None else {})}, self._chained(onward)
         receipt = ReceiptCheck()
         _, peer = self._call(route.stages[0], "forward", tensors, receipt, route.train, **own, **chained)
-        route.peers = [peer, *receipt.receipt.peers]
-        if len(route.peers) != len(route.stages):
+        route.peers, stopped = [peer, *receipt.receipt.peers], receipt.receipt.stopped
+        if len(route.peers) > len(route.stages) - stopped or (len(route.peers) < len(route.stages) and not stopped):
             raise BadReplyError(f"a receipt for {len(route.peers)} hops, expected {len(route.stages)}")
         self._report(receipt.receipt)
+        if stopped:
+            raise _ChainStopped(receipt.receipt)
         return self._collect(route.stages[-1], route.peers[-1], chained["parcel"], check)
 
     def _chain_backward(
@@ -380,7 +397,8 @@ class RemotePipeline(nn.Module):
         own."""
         for stage, method, failed, retried_on, error in receipt.failovers:
             self.router.count_failed(failed)
-            self.router.failed_over(stage, method, failed, retried_on, error)
+            if retried_on:  # else it stopped the chain: its failover is the relay's (_relayed)
+                self.router.failed_over(stage, method, failed, retried_on, error)
 
     def _backward_route(
         self, grad_outputs: torch.Tensor, route: Route, loss_scale: Optional[float] = None
@@ -500,6 +518,16 @@ class RemotePipeline(nn.Module):
         else:
             reply, peer = self.router.call_peer(stage, prefer, method, messages, metadata, batch, check), prefer
         return reply[0], peer
+
+
+class _ChainStopped(Exception):
+    """A chained forward that a stage server could not hand on; ``failed``: the stage, peer and error of the call
+    that stopped it, if the server named one."""
+
+    def __init__(self, receipt: Receipt) -> None:
+        super().__init__(receipt.error)
+        stops = [(stage, peer, error) for stage, _, peer, retried_on, error in receipt.failovers if not retried_on]
+        self.failed: Optional[tuple[int, str, str]] = stops[-1] if stops else None
 
 
 class _RemoteStages(torch.autograd.Function):

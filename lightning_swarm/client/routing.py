@@ -247,7 +247,8 @@ class StageRouter:
         ``wait_timeout`` seconds, by default ``stage_wait_timeout``) instead. What was the caller's fault
         (``CALLERS_FAULT``) raises at once, as does a broken chain of stage-to-stage sends. A failover is reported
         to ``report`` instead of this router's counters and events, if given, and then the failed calls behind it
-        are not counted here either: whoever gets the report counts them. With a ``deadline`` (``time.monotonic()``),
+        are not counted here either: whoever gets the report counts them (it also hears of the last failed call
+        when the call fails, as a failover ``retried_on`` no peer: ``""``). With a ``deadline`` (``time.monotonic()``),
         each attempt waits at most what is left of it, and none starts after it (:class:`TimeoutError`).
         """
         wait_timeout = self.stage_wait_timeout if wait_timeout is None else wait_timeout
@@ -256,51 +257,56 @@ class StageRouter:
         tried: list[str] = []
         last_error: Optional[BaseException] = None
         failures, busy, waiting_since, busy_since, failed_peer = 0, 0, None, None, None
-        while True:
-            self._time_left(deadline, stage, last_error)  # waiting for a peer, too, ends at the deadline
-            peer = prefer if failures + busy == 0 and waiting_since is None and prefer is not None else None
-            peer = peer or self.choose(stage, batch, exclude=frozenset(tried))
-            if peer is None:
-                self.refresh(stage, force=True)
-                peer = self.choose(stage, batch, exclude=frozenset(tried))
-            if peer is None and tried:
-                # every usable peer was tried: after a pause, those not banned (e.g. busy) may be tried again
-                time.sleep(min(0.5 * 2 ** min(failures + busy - 1, 4), 5.0))
-                tried.clear()
-                peer = self.choose(stage, batch)
-            if peer is None:
-                waiting_since = waiting_since or time.monotonic()
-                self._wait_for_peer(stage, waiting_since, last_error, wait_timeout)
-                continue
-            # waiting_since is kept: a banned peer retried once its ban expired (a dead one, whose record has not
-            # expired yet) must not restart the count towards stage_wait_timeout
-            try:
-                timeout = self._time_left(deadline, stage, last_error)
-                reply = self.call_peer(stage, peer, method, tensors, metadata, batch, check, report is None, timeout)
-                if last_error is not None:
-                    self.failed_over(stage, method, failed_peer, peer, last_error, report)
-                return reply, peer
-            except (*CALLERS_FAULT, ActivationsLostError, ChainBrokenError):
-                raise
-            except StageBusyError as e:  # overloaded (queue full, out of memory): the others, then it again, later
-                last_error, failed_peer = e, peer
-                tried.append(peer)
-                busy += 1
-                busy_since = busy_since or time.monotonic()
-                if time.monotonic() - busy_since >= wait_timeout:
-                    raise StageUnavailableError(
-                        f"Stage {stage} of run {self.run_id!r}: its peers answered busy for "
-                        f"{wait_timeout:g}s (stage_wait_timeout; last answer: {e!r})"
-                    ) from None
-            except Exception as e:
-                last_error, failed_peer = e, peer
-                tried.append(peer)
-                failures += 1
-                if failures > self.max_retries:
-                    raise StageUnavailableError(
-                        f"Stage {stage} of run {self.run_id!r}: {failures} attempts on its peers failed "
-                        f"(peers tried: {tried}; last error: {e!r})"
-                    ) from None
+        try:
+            while True:
+                self._time_left(deadline, stage, last_error)  # waiting for a peer, too, ends at the deadline
+                peer = prefer if failures + busy == 0 and waiting_since is None and prefer is not None else None
+                peer = peer or self.choose(stage, batch, exclude=frozenset(tried))
+                if peer is None:
+                    self.refresh(stage, force=True)
+                    peer = self.choose(stage, batch, exclude=frozenset(tried))
+                if peer is None and tried:
+                    # every usable peer was tried: after a pause, those not banned (e.g. busy) may be tried again
+                    time.sleep(min(0.5 * 2 ** min(failures + busy - 1, 4), 5.0))
+                    tried.clear()
+                    peer = self.choose(stage, batch)
+                if peer is None:
+                    waiting_since = waiting_since or time.monotonic()
+                    self._wait_for_peer(stage, waiting_since, last_error, wait_timeout)
+                    continue
+                # waiting_since is kept: a banned peer retried once its ban expired (a dead one, whose record has not
+                # expired yet) must not restart the count towards stage_wait_timeout
+                try:
+                    timeout = self._time_left(deadline, stage, last_error)
+                    reply = self.call_peer(stage, peer, method, tensors, metadata, batch, check, report is None, timeout)
+                    if last_error is not None:
+                        self.failed_over(stage, method, failed_peer, peer, last_error, report)
+                    return reply, peer
+                except (*CALLERS_FAULT, ActivationsLostError, ChainBrokenError):
+                    raise
+                except StageBusyError as e:  # overloaded (queue full, out of memory): the others, then it again, later
+                    last_error, failed_peer = e, peer
+                    tried.append(peer)
+                    busy += 1
+                    busy_since = busy_since or time.monotonic()
+                    if time.monotonic() - busy_since >= wait_timeout:
+                        raise StageUnavailableError(
+                            f"Stage {stage} of run {self.run_id!r}: its peers answered busy for "
+                            f"{wait_timeout:g}s (stage_wait_timeout; last answer: {e!r})"
+                        ) from None
+                except Exception as e:
+                    last_error, failed_peer = e, peer
+                    tried.append(peer)
+                    failures += 1
+                    if failures > self.max_retries:
+                        raise StageUnavailableError(
+                            f"Stage {stage} of run {self.run_id!r}: {failures} attempts on its peers failed "
+                            f"(peers tried: {tried}; last error: {e!r})"
+                        ) from None
+        except (StageUnavailableError, TimeoutError):
+            if report is not None and failed_peer is not None and not isinstance(last_error, StageBusyError):
+                report(events.Failover(stage, method, failed_peer, "", repr(last_error)))  # made up for by no peer
+            raise
 
     def failed_over(
         self,

@@ -4,7 +4,8 @@
 Forward: the next peer is chosen by this peer's router as a trainer's router chooses (load-aware, at random), with
 the same failover to other peers of that stage. If none takes it within ``wait_timeout`` seconds, or before the
 caller stops waiting (the request's deadline, :func:`~lightning_swarm.chain_wiring.deadline`), the request fails
-with :class:`~lightning_swarm.errors.ChainBrokenError` and the trainer relays that microbatch itself. A next stage
+with a receipt that says the chain stopped here and which peers failed on the way; the trainer relays that
+microbatch itself. A next stage
 that finds NaN or Inf in the output refuses it: this peer made it, so it reports its own failure
 (:class:`~lightning_swarm.errors.StageFailedError`) and its caller fails over to another peer of this stage.
 Backward goes to the peer that kept the forward, named by the trainer; if that peer cannot take it (gone, or it
@@ -144,8 +145,9 @@ class Onward:
             raise StageFailedError(f"stage {self.stage} made an output with NaN or Inf") from None
         except (*CALLERS_FAULT, ChainBrokenError):
             raise
-        except Exception as e:
-            raise ChainBrokenError(f"stage {self.stage} could not hand on to stage {hop['stage']}: {e!r}") from None
+        except Exception as e:  # the chain stops here: the trainer relays the microbatch, told which peers failed
+            error = f"stage {self.stage} could not hand on to stage {hop['stage']}: {e!r}"
+            return Receipt(stopped=True, failovers=failovers, error=error[:300]).encode()
         return check.receipt.after(peer, failovers).encode()
 
     def _backward(

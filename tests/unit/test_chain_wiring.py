@@ -233,7 +233,7 @@ def test_a_chain_with_no_peer_for_a_stage_breaks_and_the_trainer_relays_the_micr
         got = run(pipeline(router, modules), x)
         torch.testing.assert_close(got[0], plain(modules, x)[0], rtol=0, atol=0)
         torch.testing.assert_close(got[1], plain(modules, x)[1], rtol=0, atol=0)
-        assert router.stats.failovers == 2 and router.stats.failed == {}
+        assert router.stats.failovers == router.stats.chain_breaks == 2 and router.stats.failed == {}
     finally:
         shutdown(router)
 
@@ -241,7 +241,8 @@ def test_a_chain_with_no_peer_for_a_stage_breaks_and_the_trainer_relays_the_micr
 def test_a_chain_that_cannot_go_on_answers_before_its_caller_stops_waiting():
     """Stage 0's peer hands on to a stage-1 peer that never answers, with a router whose own request timeout is far
     longer than the trainer's: the trainer's budget bounds the hand-on, so stage 0's peer answers that the chain
-    broke while the trainer still waits. The trainer then relays the microbatch (exact), blaming no stage-0 peer."""
+    broke while the trainer still waits, naming the peer that failed. The trainer then relays the microbatch
+    (exact), blaming no stage-0 peer, and reports the failover from that peer to the one the relay used."""
     servers = [stage(k) for k in range(3)]
     modules = [s.module for s in servers]
     x = torch.randn(4, 8)
@@ -250,10 +251,13 @@ def test_a_chain_that_cannot_go_on_answers_before_its_caller_stops_waiting():
     for server in servers:
         server.onward.routes = onward
     router = PeersRouter(stages, first=("p1",), request_timeout=3.0)
+    heard = []
+    router.on_event = heard.append
     try:
         got = run(pipeline(router, modules, microbatches=1), x)
         torch.testing.assert_close(got[1], plain(modules, x)[1], rtol=0, atol=0)
-        assert router.stats.chain_breaks == router.stats.failovers == 1 and router.stats.failed == {}
+        assert router.stats.failovers == 1 and router.stats.failed == {"hang": 1} and router.stats.chain_breaks == 0
+        assert [(e.stage, e.method, e.failed_peer, e.retried_on) for e in heard] == [(1, "forward", "hang", "p1")]
         assert not router.banned("p0") and onward.banned("hang") and onward.stats.failed == {}
     finally:
         shutdown(router)
