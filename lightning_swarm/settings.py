@@ -87,14 +87,13 @@ class SwarmSettings:
     compression: Codec = field(default="8bit", metadata={CAST: check_codec})
     """codec for activations and their gradients between stages: ``"8bit"`` (blockwise), ``"float16"`` or
     ``"none"``."""
-    wiring: Wiring = field(default="star", metadata={CAST: check_wiring})
+    wiring: Wiring = field(default="chain", metadata={CAST: check_wiring})
     """how a microbatch crosses the stages: ``"chain"``: the trainer sends it to a peer of the first stage, each
     stage's peer sends its output on to a peer of the next (chosen as the trainer chooses: load-aware, at random)
     and the trainer fetches the last stage's output from its peer; backward goes back the same way. The trainer's
     link carries one transfer each way per microbatch instead of one per stage. ``"star"``: the trainer relays
-    every stage boundary itself. Default ``"star"``: ``"chain"`` trains faster across hosts (at 50 Mbit/s, 1.90x
-    star's samples/s with 0.34x the bytes on the trainer's link: ``benchmarks/wiring.py``), but after a peer is
-    killed its failovers stalled some swarm tests on loaded cores, so it is not the default yet."""
+    every stage boundary itself. Default ``"chain"``: across emulated hosts at 50 Mbit/s it trained at 1.90x star's
+    samples/s with 0.34x the bytes on the trainer's link (``benchmarks/wiring.py``)."""
     delayed_updates: Optional[bool] = field(default=None, metadata={CAST: flag})
     """a stage's all-reduce and optimizer step run in the background while its peer keeps serving with the
     previous parameters; the new ones serve from the first forward after the step finished (one step of
