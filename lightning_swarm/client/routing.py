@@ -277,8 +277,8 @@ class StageRouter:
                 # waiting_since is kept: a banned peer retried once its ban expired (a dead one, whose record has not
                 # expired yet) must not restart the count towards stage_wait_timeout
                 try:
-                    timeout = self._time_left(deadline, stage, last_error)
-                    reply = self.call_peer(stage, peer, method, tensors, metadata, batch, check, report is None, timeout)
+                    timeout, count = self._time_left(deadline, stage, last_error), report is None
+                    reply = self.call_peer(stage, peer, method, tensors, metadata, batch, check, count, timeout)
                     if last_error is not None:
                         self.failed_over(stage, method, failed_peer, peer, last_error, report)
                     return reply, peer

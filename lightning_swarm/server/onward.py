@@ -3,14 +3,14 @@
 
 Forward: the next peer is chosen by this peer's router as a trainer's router chooses (load-aware, at random), with
 the same failover to other peers of that stage. If none takes it within ``wait_timeout`` seconds, or before the
-caller stops waiting (the request's deadline, :func:`~lightning_swarm.chain_wiring.deadline`), the request fails
-with a receipt that says the chain stopped here and which peers failed on the way; the trainer relays that
-microbatch itself. A next stage
-that finds NaN or Inf in the output refuses it: this peer made it, so it reports its own failure
-(:class:`~lightning_swarm.errors.StageFailedError`) and its caller fails over to another peer of this stage.
-Backward goes to the peer that kept the forward, named by the trainer; if that peer cannot take it (gone, or it
-dropped the forward's graph), the gradient is parked here and the receipt says the chain stopped: the trainer
-recomputes that hop from its input. A peer calling a peer is authenticated, authorized and queued like any caller.
+caller stops waiting (the request's deadline, :func:`~lightning_swarm.chain_wiring.deadline`), the answer is a
+receipt that says the chain stopped here and which peers failed on the way; the trainer relays that microbatch
+itself. A next stage that finds NaN or Inf in the output refuses it: this peer made it, so it reports its own
+failure (:class:`~lightning_swarm.errors.StageFailedError`) and its caller fails over to another peer of this
+stage. Backward goes to the peer that kept the forward, named by the trainer; if that peer cannot take it (gone, or
+it dropped the forward's graph), or the caller stops waiting first, the gradient is parked here and the receipt
+says the chain stopped: the trainer recomputes that hop from its input. A peer calling a peer is authenticated,
+authorized and queued like any caller.
 
 The handing on runs on threads of its own (routers block), so the event loop goes on serving meanwhile.
 """
@@ -107,8 +107,9 @@ class Onward:
             self.parcels.park(metadata["parcel"], output)
             return Receipt().encode()
         loop = asyncio.get_running_loop()
-        hand_on = self._hand_on
-        return await loop.run_in_executor(self._pool, hand_on, kind, output, metadata, hops, sides, batch, deadline)
+        return await loop.run_in_executor(
+            self._pool, self._hand_on, kind, output, metadata, hops, sides, batch, deadline
+        )
 
     def _hand_on(
         self,
@@ -160,10 +161,11 @@ class Onward:
         check: ReceiptCheck,
         deadline: Optional[float],
     ) -> compression.WireTensor:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:  # the caller stops waiting: the trainer sends it, blaming nobody
+            self.parcels.park(request["parcel"], grad)
+            return Receipt(stopped=True).encode()
         try:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TimeoutError("no time left to hand the gradient on before the caller stops waiting")
             routes.call_peer(hop["stage"], hop["peer"], "backward", [grad], request, batch, check, False, left)
         except NonFiniteInputError:
             raise StageFailedError(f"stage {self.stage} made a gradient with NaN or Inf") from None
