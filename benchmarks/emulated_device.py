@@ -730,20 +730,18 @@ def instrument(device: EmulatedDevice) -> None:
         finally:
             timeline.record(start, now(), proc, PIPE_BACKWARD)
 
-    def called(self, stage: int, peer: str, method: str, tensors: list, metadata: dict, batch: int) -> Any:
+    def called(self, stage: int, peer: str, method: str, tensors: list, metadata: dict, *args: Any) -> Any:
         start = now()
         try:
-            return raw_call(self, stage, peer, method, tensors, metadata, batch)
+            return raw_call(self, stage, peer, method, tensors, metadata, *args)
         finally:
             key = request_key(metadata, method)
             timeline.record(start, now(), proc, CALL, key, value=stage, extra=REQUEST_KINDS.get(method, 0))
 
-    def checked(
-        self, stage: int, peer: str, method: str, tensors: list, metadata: dict, batch: int, check: Any = None
-    ) -> Any:
+    def checked(self, stage: int, peer: str, method: str, tensors: list, metadata: dict, *args: Any, **kw: Any) -> Any:
         start = now()
         try:
-            return call_peer(self, stage, peer, method, tensors, metadata, batch, check)
+            return call_peer(self, stage, peer, method, tensors, metadata, *args, **kw)
         finally:
             key = request_key(metadata, method)
             timeline.record(start, now(), proc, CHECK, key, value=stage, extra=REQUEST_KINDS.get(method, 0))

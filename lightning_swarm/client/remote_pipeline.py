@@ -378,7 +378,17 @@ class RemotePipeline(nn.Module):
         ):
             raise BadReplyError(f"a receipt naming peers {receipt.receipt.peers} from hop {hop}")
         if receipt.receipt.stopped:
-            parked = self._collect(route.stages[reached], route.peers[reached], metadata["parcel"], ReplyCheck(batch))
+            holder = route.stages[reached], route.peers[reached]
+            try:
+                parked = self._collect(*holder, metadata["parcel"], ReplyCheck(batch))
+            except CALLERS_FAULT:
+                raise
+            except Exception as e:
+                if reached < hop:  # the output gradient of that hop is gone too
+                    raise
+                # the peer holding the gradient left or moved since: its hop is recomputed on another peer
+                log.warning("Stage %d: collecting a gradient from %s failed (%r): recomputing", stage, peer, e)
+                return hop, grad, None, e
             return reached - 1, parked, None, receipt.receipt.error
         first = route.inputs[0]
         check = ReplyCheck(batch, first.size, compression.decoded_dtype(first), loss_scale is None, device=device)

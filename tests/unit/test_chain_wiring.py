@@ -12,11 +12,11 @@ import pytest
 import torch
 from helpers.stage import PeersRouter
 
-from lightning_swarm import compression
+from lightning_swarm import compression, protocol
 from lightning_swarm.block_calls import MetaBlocks
 from lightning_swarm.chain_wiring import Receipt, onward_hops
 from lightning_swarm.client.remote_pipeline import RemotePipeline
-from lightning_swarm.errors import BadReplyError, StageFailedError, SwarmRequestError
+from lightning_swarm.errors import BadReplyError, NotServingError, StageFailedError, SwarmRequestError
 from lightning_swarm.server.stage_server import StageServer
 
 CPU = torch.device("cpu")
@@ -236,6 +236,43 @@ def test_a_chain_with_no_peer_for_a_stage_breaks_and_the_trainer_relays_the_micr
         assert router.stats.failovers == router.stats.chain_breaks == 2 and router.stats.failed == {}
     finally:
         shutdown(router)
+
+
+class LeavesWithItsParcels:
+    """A stage peer that serves as ``server`` does, but has moved on to another stage once a parcel is collected."""
+
+    def __init__(self, server: StageServer) -> None:
+        self.server = server
+
+    async def answer_tensors(self, kind, request, caller):
+        if "collect" in protocol.decode_metadata(request.metadata):
+            raise NotServingError("this peer no longer serves the stage")
+        return await self.server.answer_tensors(kind, request, caller)
+
+
+def test_a_gradient_parked_by_a_peer_that_left_is_recomputed_on_another_peer():
+    """Stage 1's peer that kept the forward fails, so stage 2's peer parks the gradient, then moves to another stage
+    before the trainer collects it: the trainer recomputes stage 2's hop on the other peer of stage 2 (its input sent
+    again through stages 0 and 1), then stage 1's. The input gradient is exact."""
+    servers = [stage(k) for k in range(3)]
+    modules = [s.module for s in servers]
+    x = torch.randn(4, 8)
+    others = [stage(1), stage(2)]
+    stages = [{"p0": servers[0]}, {"p1": servers[1], "p1b": others[0]}, {"p2": servers[2], "p2b": others[1]}]
+    router = swarm(stages, first=("p1", "p2"))
+    try:
+        x_ = x.clone().requires_grad_()
+        y = pipeline(router, modules, microbatches=1)(x_)
+        for seen_by in (router, servers[2].onward.routes):
+            seen_by.servers["p1"] = Failing()
+        router.servers["p2"] = LeavesWithItsParcels(servers[2])
+        y.square().sum().backward()
+        torch.testing.assert_close(x_.grad, plain(modules, x)[1], rtol=0, atol=0)
+        assert router.stats.recomputed == 2 and router.banned("p2")
+    finally:
+        shutdown(router)
+        for server in (*servers, *others):
+            server.shutdown()
 
 
 def test_a_chain_that_cannot_go_on_answers_before_its_caller_stops_waiting():
