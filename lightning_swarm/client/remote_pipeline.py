@@ -346,7 +346,13 @@ class RemotePipeline(nn.Module):
         self._report(receipt.receipt)
         if stopped:
             raise _ChainStopped(receipt.receipt)
-        return self._collect(route.stages[-1], route.peers[-1], chained["parcel"], check)
+        try:
+            return self._collect(route.stages[-1], route.peers[-1], chained["parcel"], check)
+        except CALLERS_FAULT:
+            raise
+        except Exception as e:  # the last stage's peer failed (counted as this router's failed call): named
+            failed = [route.stages[-1], "forward", route.peers[-1], "", repr(e)]
+            raise _ChainStopped(Receipt(stopped=True, failovers=[failed], error=repr(e))) from e
 
     def _chain_backward(
         self, hop: int, grad: runtime_pb2.Tensor, route: Route, loss_scale: Optional[float], device: torch.device
