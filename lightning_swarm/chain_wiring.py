@@ -81,7 +81,7 @@ class Receipt:
             raise BadReplyError("a receipt whose peers are not a list of peer ids")
         if not isinstance(stopped, bool) or not isinstance(failovers, list) or not isinstance(error, str):
             raise BadReplyError("a malformed receipt")
-        listed = [list(f) for f in failovers[:MAX_HOPS] if isinstance(f, list) and len(f) == 5]
+        listed = [list(f) for f in failovers[:MAX_HOPS] if _is_failover(f)]
         return cls(peers, stopped, listed, error[:300])
 
 
@@ -136,6 +136,21 @@ def collect_key(metadata: dict) -> Optional[str]:
     if key is not None and not _is_key(key):
         raise SwarmRequestError(f"a parcel key is a string of 1 to {MAX_KEY} characters")
     return key
+
+
+def _is_failover(entry: Any) -> bool:
+    """Whether ``entry`` is a receipt's ``[stage, method, failed peer, peer retried on, error]``."""
+    if not (isinstance(entry, list) and len(entry) == 5):
+        return False
+    stage, method, failed, retried_on, error = entry
+    return (
+        isinstance(stage, int)
+        and not isinstance(stage, bool)
+        and method in ("forward", "backward")
+        and _is_key(failed, 128)
+        and (retried_on == "" or _is_key(retried_on, 128))
+        and isinstance(error, str)
+    )
 
 
 def _is_key(value: Any, longest: int = MAX_KEY) -> bool:

@@ -317,7 +317,7 @@ class RemotePipeline(nn.Module):
         used in that stage; else from the chain to the relay (``"chain"`` to ``"star"``), counted as a chain break
         unless a call of this process failed (and was counted) first."""
         stopped = broken.failed if isinstance(broken, _ChainStopped) else None
-        if stopped is not None:
+        if stopped is not None and stopped[0] in route.stages:  # a stage of this route: the server's word
             stage, peer, error = stopped
             self.router.failed_over(stage, "forward", peer, route.peers[route.stages.index(stage)], error)
             return

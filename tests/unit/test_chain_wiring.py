@@ -326,6 +326,9 @@ def test_a_receipt_is_checked_and_onward_hops_are_validated():
     encoded = Receipt(["a", "b"], False, [[1, "forward", "x", "y", "e"]]).encode()
     assert Receipt.read([encoded]) == Receipt(["a", "b"], False, [[1, "forward", "x", "y", "e"]])
     assert Receipt.read([encoded]).after("z", []).peers == ["z", "a", "b"]
+    stop = [1, "forward", "x", "", "e"]  # the failed call that stopped a chain: retried on no peer
+    malformed = [[[1], "forward", "x", "y", "e"], ["1", "forward", "x", "y", "e"], [1, "forward", None, "y", "e"]]
+    assert Receipt.read([Receipt([], True, [stop, *malformed]).encode()]).failovers == [stop]  # the others dropped
     for reply in ([], [encoded, encoded], [compression.encode(torch.ones(3), "none")]):
         with pytest.raises(BadReplyError):
             Receipt.read(reply)
