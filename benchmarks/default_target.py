@@ -15,7 +15,13 @@ default used to be (one peer's batch, for the whole swarm). Reported per configu
   of every configuration reached), and at the end of the configuration;
 - each stage's optimizer steps, and the samples per step (the samples its peers' stage servers stepped with, as of
   their last report, over the stage's steps then), and the targets its optimizers used;
-- gradient rounds (stage and local optimizers), the failed ones and the share of the peers' time they held up.
+- gradient rounds (stage and local optimizers), the failed ones (split between the stages' optimizers and the
+  trainers' local one) and the share of the peers' time they held up; each failed round is printed with the epoch,
+  the partners it expected and the other peers' progress records (epoch, samples) as its peer last read them.
+
+With ``ROUNDS_LOG=<file>`` in the environment every peer appends each of its steps to that file, one JSON line: the
+optimizer, the epoch, the partners expected, whether the round failed, the group it averaged with and how long the
+step held the peer (what showed which peers missed which rounds, and why).
 """
 
 from __future__ import annotations
@@ -49,6 +55,26 @@ def counting(self, *args, batch_size=None, **kwargs):
     self.samples_given = getattr(self, "samples_given", 0) + (batch_size or 0)
     return step(self, *args, batch_size=batch_size, **kwargs)
 SwarmOptimizer.step = counting
+import time
+average = SwarmOptimizer._average_gradients_and_load_into_optimizer
+FAILURES = []
+NAME = os.path.basename(sys.argv[sys.argv.index("--history") + 1])
+def noting(self, control):
+    failed, began, sizes = self.failed_rounds, time.time(), dict(self.allreduce_sizes)
+    average(self, control)
+    done = control is not None and control.done() and not control.cancelled() and control.exception() is None
+    entry = dict(
+        peer=NAME, me=str(self.dht.peer_id)[-6:], optimizer=self.run_id, epoch=self.local_epoch, at=began,
+        held=time.time() - began, expected=self._expected_group, round=control is not None,
+        failed=self.failed_rounds > failed, group=[str(p)[-6:] for p in control.result()] if done else None,
+        others=sorted((e.epoch, e.samples_accumulated) for e in self.tracker._records),
+    )
+    if entry["failed"]:
+        FAILURES.append(entry)
+    if os.environ.get("ROUNDS_LOG"):
+        with open(os.environ["ROUNDS_LOG"], "a") as f:
+            f.write(json.dumps(entry) + "\\n")
+SwarmOptimizer._average_gradients_and_load_into_optimizer = noting
 write = gpt.History.write
 def with_stage(self, trainer):
     write(self, trainer)
@@ -63,6 +89,10 @@ def with_stage(self, trainer):
         stage_epoch=optimizer.local_epoch,
         stage_samples=getattr(optimizer, "samples_given", 0),
         stage_targets=self.targets,
+        stage_rounds=optimizer.rounds,
+        stage_failed_rounds=optimizer.failed_rounds,
+        stage_failed_round_seconds=optimizer.failed_round_seconds,
+        failures=FAILURES,
     )
     with open(self.path + ".tmp", "w") as f:
         json.dump(summary, f)
@@ -143,6 +173,9 @@ def summarize(name: str, runs: list[dict], batch: int, stages: int, wall: float,
         targets=sorted({t for r in runs for t in r.get("stage_targets", [])}),
         rounds=sum(r.get("rounds", 0) for r in runs),
         failed=sum(r.get("failed_rounds", 0) for r in runs),
+        stage_rounds=sum(r.get("stage_rounds", 0) for r in runs),
+        stage_failed=sum(r.get("stage_failed_rounds", 0) for r in runs),
+        failures=[f for r in runs for f in r.get("failures", [])],
         failed_time_share=held,
         losses=[r.get("losses", []) for r in runs],
     )
@@ -166,6 +199,7 @@ HEADER = [
     "targets used",
     "rounds",
     "failed",
+    "failed: stage / local rounds",
     "time held by failed rounds",
 ]
 
@@ -184,6 +218,8 @@ def row(r: dict, k: int) -> list[str]:
         ", ".join(map(str, r["targets"])),
         str(r["rounds"]),
         f"{r['failed']} ({100 * r['failed'] / max(r['rounds'], 1):.0f}%)",
+        f"{r['stage_failed']} of {r['stage_rounds']} / {r['failed'] - r['stage_failed']} of "
+        f"{r['rounds'] - r['stage_rounds']}",
         f"{100 * r['failed_time_share']:.1f}%",
     ]
 
@@ -210,7 +246,9 @@ def main() -> None:
     for name, target in order:
         results.append(run(name, target, peers, args.stages, args.batch, steps, args.seconds))
         results[-1]["order"] = len(results)
-        print(name, {k: v for k, v in results[-1].items() if k != "losses"}, flush=True)
+        print(name, {k: v for k, v in results[-1].items() if k not in ("losses", "failures")}, flush=True)
+        for failure in results[-1]["failures"]:
+            print("  failed round:", failure, flush=True)
     k = min(n for r in results for n in r["steps"])
     rows = [row(r, k) for r in results]
     for line in table(HEADER, rows):
