@@ -510,10 +510,16 @@ def np_isin(values: Any, codes: Sequence[int]) -> Any:
 
 
 def _hop_stamps(src, dst, code, last, first, serve, handovers, answer, calls, checks, arrive, submit):
-    """The times that split a hop (see ``HOP_PARTS``), or None if one is missing."""
+    """The times that split a hop (see ``HOP_PARTS``), or None if one is missing. A hop the sending stage hands on
+    itself (chain wiring: the call that brought the request to ``dst`` came from a stage server, not the trainer)
+    never passes the trainer: its reply and check parts are 0, and its send runs from that call's start."""
     try:
         answered = float(handovers[src[:2]]["t0"]) if code == 2 and src[:2] in handovers else float(serve[src]["t1"])
         answered = max(answered, last[src])  # a worker that does not wait for the device answers before it is done
+        if dst in calls and int(calls[dst]["proc"]) != emu.TRAINER:
+            sent = max(float(calls[dst]["t0"]), answered)
+            received = [float(x[dst]["t0"]) for x in (arrive, submit, serve)]
+            return [last[src], answered, sent, sent, sent, *received, first[dst]]
         return [
             last[src],
             answered,

@@ -359,7 +359,9 @@ class RemotePipeline(nn.Module):
     ) -> tuple[int, runtime_pb2.Tensor, Optional[torch.Tensor], BaseException | str]:
         """Backward from ``hop`` down to the first hop, stage to stage along the peers that kept the forwards.
         Returns ``(-1, input gradient, decoded, "")`` if it got there; else the hop whose peer could not take it,
-        the gradient parked for that hop and why (``""``: that peer dropped the graph)."""
+        the gradient parked for that hop and why (``""``: that peer dropped the graph). A parked gradient whose
+        peer left before the trainer collected it is lost with the graphs the chain used up on its way: then it
+        returns ``hop`` and ``grad`` again, to recompute from there."""
         onward = [{"stage": route.stages[i], "peer": route.peers[i], "kept": route.keys[i]} for i in range(hop)][::-1]
         metadata = {"codec": self.codec, "train": route.train, "kept": route.keys[hop], **self._chained(onward)}
         if loss_scale is not None:
@@ -390,15 +392,30 @@ class RemotePipeline(nn.Module):
             except CALLERS_FAULT:
                 raise
             except Exception as e:
-                if reached < hop:  # the output gradient of that hop is gone too
-                    raise
+                if reached < hop:
+                    return self._lost_below(hop, grad, holder, e)
                 # the peer holding the gradient left or moved since: its hop is recomputed on another peer
                 log.warning("Stage %d: collecting a gradient from %s failed (%r): recomputing", stage, peer, e)
                 return hop, grad, None, e
             return reached - 1, parked, None, receipt.receipt.error
         first = route.inputs[0]
         check = ReplyCheck(batch, first.size, compression.decoded_dtype(first), loss_scale is None, device=device)
-        return -1, self._collect(route.stages[0], route.peers[0], metadata["parcel"], check), check.decoded, ""
+        try:
+            return -1, self._collect(route.stages[0], route.peers[0], metadata["parcel"], check), check.decoded, ""
+        except CALLERS_FAULT:
+            raise
+        except Exception as e:
+            return self._lost_below(hop, grad, (route.stages[0], route.peers[0]), e)
+
+    @staticmethod
+    def _lost_below(
+        hop: int, grad: runtime_pb2.Tensor, holder: tuple[int, str], error: Exception
+    ) -> tuple[int, runtime_pb2.Tensor, None, str]:
+        """The chain from ``hop`` down parked its gradient on ``holder``, which failed before it was collected:
+        the gradients between are gone, and so are the graphs the chain used. ``hop`` is recomputed on its peer
+        (``""``: it dropped the graph), then each hop below it."""
+        log.warning("Stage %d: collecting a gradient from %s failed (%r): recomputing from hop %d", *holder, error, hop)
+        return hop, grad, None, ""
 
     def _collect(self, stage: int, peer: str, parcel: str, check: ReplyCheck) -> runtime_pb2.Tensor:
         """The parcel a chain parked on ``peer`` (of ``stage``), once ``check`` passed it."""

@@ -275,6 +275,30 @@ def test_a_gradient_parked_by_a_peer_that_left_is_recomputed_on_another_peer():
             server.shutdown()
 
 
+def test_an_input_gradient_parked_by_a_first_stage_peer_that_left_is_recomputed_from_the_top():
+    """The chained backward reaches stage 0, whose peer parks the input gradient and leaves before the trainer
+    collects it (a peer killed in CI's chaos test did so, and the trainer crashed): the gradients between are gone
+    and the chain used up the kept forwards, so the trainer recomputes stage 2's hop, then stage 1's, then stage 0's
+    (on its other peer). The input gradient is exact."""
+    servers = [stage(k) for k in range(3)]
+    modules = [s.module for s in servers]
+    x = torch.randn(4, 8)
+    other = stage(0)
+    stages = [{"p0": servers[0], "p0b": other}, {"p1": servers[1]}, {"p2": servers[2]}]
+    router = swarm(stages, first=("p0",))
+    try:
+        x_ = x.clone().requires_grad_()
+        y = pipeline(router, modules, microbatches=1)(x_)
+        router.servers["p0"] = LeavesWithItsParcels(servers[0])  # the stage servers still reach it
+        y.square().sum().backward()
+        torch.testing.assert_close(x_.grad, plain(modules, x)[1], rtol=0, atol=0)
+        assert router.stats.recomputed == 3 and router.banned("p0")
+    finally:
+        shutdown(router)
+        for server in (*servers, other):
+            server.shutdown()
+
+
 def test_a_chain_that_cannot_go_on_answers_before_its_caller_stops_waiting():
     """Stage 0's peer hands on to a stage-1 peer that never answers, with a router whose own request timeout is far
     longer than the trainer's: the trainer's budget bounds the hand-on, so stage 0's peer answers that the chain
