@@ -387,8 +387,8 @@ class RemotePipeline(nn.Module):
             raise BadReplyError(f"a receipt naming peers {receipt.receipt.peers} from hop {hop}")
         if receipt.receipt.stopped:
             holder = route.stages[reached], route.peers[reached]
-            try:
-                parked = self._collect(*holder, metadata["parcel"], ReplyCheck(batch))
+            try:  # a failed collect below the first hop is counted when the recompute reaches the holder's hop
+                parked = self._collect(*holder, metadata["parcel"], ReplyCheck(batch), count=reached == hop)
             except CALLERS_FAULT:
                 raise
             except Exception as e:
@@ -400,12 +400,16 @@ class RemotePipeline(nn.Module):
             return reached - 1, parked, None, receipt.receipt.error
         first = route.inputs[0]
         check = ReplyCheck(batch, first.size, compression.decoded_dtype(first), loss_scale is None, device=device)
+        holder = route.stages[0], route.peers[0]
         try:
-            return -1, self._collect(route.stages[0], route.peers[0], metadata["parcel"], check), check.decoded, ""
+            return -1, self._collect(*holder, metadata["parcel"], check, count=hop == 0), check.decoded, ""
         except CALLERS_FAULT:
             raise
         except Exception as e:
-            return self._lost_below(hop, grad, (route.stages[0], route.peers[0]), e)
+            if hop == 0:  # as above: the peer of this very hop failed, which is recomputed on another peer
+                log.warning("Stage %d: collecting a gradient from %s failed (%r): recomputing", *holder, e)
+                return hop, grad, None, e
+            return self._lost_below(hop, grad, holder, e)
 
     @staticmethod
     def _lost_below(
@@ -413,13 +417,17 @@ class RemotePipeline(nn.Module):
     ) -> tuple[int, runtime_pb2.Tensor, None, str]:
         """The chain from ``hop`` down parked its gradient on ``holder``, which failed before it was collected:
         the gradients between are gone, and so are the graphs the chain used. ``hop`` is recomputed on its peer
-        (``""``: it dropped the graph), then each hop below it."""
+        (``""``: it dropped the graph), then each hop below it; the holder's hop calls it again, which counts its
+        failure and reports the failover."""
         log.warning("Stage %d: collecting a gradient from %s failed (%r): recomputing from hop %d", *holder, error, hop)
         return hop, grad, None, ""
 
-    def _collect(self, stage: int, peer: str, parcel: str, check: ReplyCheck) -> runtime_pb2.Tensor:
-        """The parcel a chain parked on ``peer`` (of ``stage``), once ``check`` passed it."""
-        return self.router.call_peer(stage, peer, "forward", [], {"collect": parcel}, check.batch, check)[0]
+    def _collect(
+        self, stage: int, peer: str, parcel: str, check: ReplyCheck, count: bool = True
+    ) -> runtime_pb2.Tensor:
+        """The parcel a chain parked on ``peer`` (of ``stage``), once ``check`` passed it; a failure is counted
+        unless ``count`` is False (see :meth:`RemotePipeline._chain_backward`)."""
+        return self.router.call_peer(stage, peer, "forward", [], {"collect": parcel}, check.batch, check, count)[0]
 
     def _chained(self, onward: list[dict]) -> dict:
         """A chained request's metadata: its onward hops, a new parcel key, and this trainer as the origin."""

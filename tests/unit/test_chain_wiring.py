@@ -293,6 +293,8 @@ def test_an_input_gradient_parked_by_a_first_stage_peer_that_left_is_recomputed_
         y.square().sum().backward()
         torch.testing.assert_close(x_.grad, plain(modules, x)[1], rtol=0, atol=0)
         assert router.stats.recomputed == 3 and router.banned("p0")
+        # p0 answers its hop's backward again (no graph: recomputed), so nothing failed that no failover explains
+        assert router.stats.failed == {} and router.stats.failovers == 0
     finally:
         shutdown(router)
         for server in (*servers, other):
