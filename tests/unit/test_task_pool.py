@@ -51,12 +51,12 @@ def test_inference_forwards_of_several_callers_run_as_one_pass_and_each_gets_its
         answers = {"a": forward(server, "a", inputs["a"], train=False)}
         while not lock.wanted.is_set():  # until the worker took it
             await asyncio.sleep(0.01)
-        for caller in "bcd":
-            answers[caller] = forward(server, caller, inputs[caller], train=False)
-        answers["f"] = forward(server, "f", inputs["f"], keep="k")
-        answers["e"] = forward(server, "e", inputs["e"], train=False)
-        while server._tasks.qsize() < 5:
-            await asyncio.sleep(0.01)
+        # requests are decoded in a thread pool: each is queued before the next is sent, so their turns are fixed
+        turns = [("b", {"train": False}), ("c", {"train": False}), ("d", {"train": False}), ("f", {"keep": "k"})]
+        for queued, (caller, metadata) in enumerate([*turns, ("e", {"train": False})], start=1):
+            answers[caller] = forward(server, caller, inputs[caller], **metadata)
+            while server._tasks.qsize() < queued:
+                await asyncio.sleep(0.01)
         threading.Timer(0.0, lock.release).start()
         return {caller: compression.deserialize((await answer)[0]) for caller, answer in answers.items()}
 
