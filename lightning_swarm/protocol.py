@@ -40,6 +40,7 @@ WIRE_ERRORS = (
 )
 
 CHUNK_BYTES = DEFAULT_MAX_MSG_SIZE // 2
+END_OF_STREAM = "end_of_stream"  # the last message of a streamed reply: how many tensors it carried
 
 
 def stage_uid(run_id: str, stage: int) -> str:
@@ -71,16 +72,17 @@ def chunks(tensors: Iterable[runtime_pb2.Tensor]) -> Iterable[runtime_pb2.Tensor
 
 
 def combine(parts: Iterable[runtime_pb2.Tensor]) -> list[runtime_pb2.Tensor]:
-    """Reassemble streamed chunks: a chunk that carries a dtype starts a new tensor."""
-    tensors, current = [], []
+    """Reassemble streamed chunks: a chunk that carries a dtype starts a new tensor, which says how many chunks it
+    has (``ConnectionError`` if fewer arrived)."""
+    groups: list[list[runtime_pb2.Tensor]] = []
     for part in parts:
-        if part.dtype and current:
-            tensors.append(combine_from_streaming(current))
-            current = []
-        current.append(part)
-    if current:
-        tensors.append(combine_from_streaming(current))
-    return tensors
+        if part.dtype or not groups:
+            groups.append([])
+        groups[-1].append(part)
+    for group in groups:
+        if group[0].chunks and len(group) != group[0].chunks:
+            raise ConnectionError(f"a streamed tensor arrived with {len(group)} of its {group[0].chunks} chunks")
+    return [combine_from_streaming(group) for group in groups]
 
 
 def encode_metadata(metadata: dict) -> bytes:
@@ -108,13 +110,7 @@ async def call(
         return list(response.tensors), decode_metadata(response.metadata)
     requests = [runtime_pb2.ExpertRequest(uid=uid, tensors=[part], metadata=raw_metadata) for part in chunks(tensors)]
     stream = await getattr(stub, f"rpc_{method}_stream")(iter_as_aiter(requests))
-    parts, reply_metadata = [], b""
-    async for response in aiter_with_timeout(stream, timeout):
-        parts.extend(response.tensors)
-        reply_metadata = reply_metadata or response.metadata
-    if not parts:
-        raise ConnectionError(f"rpc_{method}_stream ended without a reply")
-    return combine(parts), decode_metadata(reply_metadata)
+    return await receive_stream(stream, timeout, f"rpc_{method}_stream")
 
 
 async def gather_request(
@@ -145,9 +141,30 @@ async def gather_request(
 
 
 def stream_response(response: runtime_pb2.ExpertResponse) -> Iterable[runtime_pb2.ExpertResponse]:
-    """Server side: split a reply into stream messages (metadata on the first)."""
+    """Server side: split a reply into stream messages, the reply's metadata on the first; a last message says how
+    many tensors were sent (:func:`receive_stream` checks it)."""
     parts = list(chunks(response.tensors)) or [None]
     for i, part in enumerate(parts):
         yield runtime_pb2.ExpertResponse(
             tensors=[part] if part is not None else [], metadata=response.metadata if i == 0 else b""
         )
+    yield runtime_pb2.ExpertResponse(metadata=encode_metadata({END_OF_STREAM: len(response.tensors)}))
+
+
+async def receive_stream(
+    stream: AsyncIterator[runtime_pb2.ExpertResponse], timeout: float, name: str
+) -> tuple[list[runtime_pb2.Tensor], dict]:
+    """Client side: read a reply streamed by :func:`stream_response`; returns its tensors and metadata. hivemind ends
+    a stream whose connection closed as if it were complete: a reply without its last message, or with a tensor
+    short of chunks, raises ``ConnectionError``."""
+    messages = [message async for message in aiter_with_timeout(stream, timeout)]
+    if not messages:
+        raise ConnectionError(f"{name} ended without a reply")
+    last = messages[-1]
+    sent = decode_metadata(last.metadata).get(END_OF_STREAM) if len(messages) > 1 and not last.tensors else None
+    tensors = combine(part for message in messages for part in message.tensors)
+    if sent is None:
+        raise ConnectionError(f"{name} was cut off after {len(tensors)} tensors: its last message never came")
+    if sent != len(tensors):
+        raise ConnectionError(f"{name} carried {len(tensors)} tensors, its last message says {sent}")
+    return tensors, decode_metadata(messages[0].metadata)

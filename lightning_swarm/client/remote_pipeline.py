@@ -422,9 +422,7 @@ class RemotePipeline(nn.Module):
         log.warning("Stage %d: collecting a gradient from %s failed (%r): recomputing from hop %d", *holder, error, hop)
         return hop, grad, None, ""
 
-    def _collect(
-        self, stage: int, peer: str, parcel: str, check: ReplyCheck, count: bool = True
-    ) -> runtime_pb2.Tensor:
+    def _collect(self, stage: int, peer: str, parcel: str, check: ReplyCheck, count: bool = True) -> runtime_pb2.Tensor:
         """The parcel a chain parked on ``peer`` (of ``stage``), once ``check`` passed it; a failure is counted
         unless ``count`` is False (see :meth:`RemotePipeline._chain_backward`)."""
         return self.router.call_peer(stage, peer, "forward", [], {"collect": parcel}, check.batch, check, count)[0]

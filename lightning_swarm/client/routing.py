@@ -33,7 +33,6 @@ from typing import Callable, Optional, Sequence
 import torch
 from hivemind.p2p import P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
-from hivemind.utils.asyncio import aiter_with_timeout
 
 from lightning_swarm import chain_wiring, compression, device_sync, discovery, events, protocol
 from lightning_swarm.discovery import PeerRecord, PeerState
@@ -500,11 +499,7 @@ class StageRouter:
         Returns the state and the optimizer step it is at (None if the peer did not say)."""
 
         async def download(stub, request) -> tuple[list[runtime_pb2.Tensor], dict]:
-            parts, metadata = [], b""
-            async for response in aiter_with_timeout(await stub.rpc_state(request), self.request_timeout):
-                parts.extend(response.tensors)
-                metadata = metadata or response.metadata
-            return protocol.combine(parts), protocol.decode_metadata(metadata)
+            return await protocol.receive_stream(await stub.rpc_state(request), self.request_timeout, "rpc_state")
 
         errors: list[str] = []
         failed: set[str] = set()  # tried since every live peer last failed
@@ -528,7 +523,7 @@ class StageRouter:
             try:
                 tensors, metadata = self.node.run(download(stub, request), timeout=self.request_timeout)
                 step = metadata.get("step")
-                state = {k: compression.deserialize(t) for k, t in zip(metadata["keys"], tensors)}
+                state = {k: compression.deserialize(t) for k, t in zip(metadata["keys"], tensors, strict=True)}
                 return state, step if isinstance(step, int) else None
             except Exception as e:
                 log.warning("Stage %d: could not download state from %s: %r", stage, peer, e)

@@ -16,7 +16,7 @@ import uuid
 import torch
 from hivemind.p2p import P2P, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
-from hivemind.utils.asyncio import aiter_with_timeout, iter_as_aiter
+from hivemind.utils.asyncio import iter_as_aiter
 from hivemind.utils.streaming import split_for_streaming
 
 from lightning_swarm import compression, protocol
@@ -67,11 +67,8 @@ class RawClient:
         assert len(requests) > 1
 
         async def go() -> list[runtime_pb2.Tensor]:
-            parts = []
             stream = await getattr(self.stub, f"rpc_{method}_stream")(iter_as_aiter(requests))
-            async for response in aiter_with_timeout(stream, TIMEOUT):
-                parts.extend(response.tensors)
-            return protocol.combine(parts)
+            return (await protocol.receive_stream(stream, TIMEOUT, method))[0]
 
         return [compression.deserialize(t) for t in self.node.run(go(), TIMEOUT + 5)]
 
@@ -107,11 +104,7 @@ class RawClient:
         request = runtime_pb2.ExpertRequest(uid=self.uid)
 
         async def go():
-            parts, metadata = [], b""
-            async for response in aiter_with_timeout(await self.stub.rpc_state(request), TIMEOUT):
-                parts.extend(response.tensors)
-                metadata = metadata or response.metadata
-            return protocol.combine(parts), protocol.decode_metadata(metadata)
+            return await protocol.receive_stream(await self.stub.rpc_state(request), TIMEOUT, "rpc_state")
 
         tensors, metadata = self.node.run(go(), TIMEOUT + 5)
         return {k: compression.deserialize(t) for k, t in zip(metadata["keys"], tensors)}

@@ -11,7 +11,6 @@ import torch
 from helpers import FAST, SMALL_GPT
 from helpers.raw_client import RawClient, wait_until_serving, wire
 from hivemind.proto import runtime_pb2
-from hivemind.utils.asyncio import aiter_with_timeout
 
 from lightning_swarm import compression, protocol
 from lightning_swarm.checkpointing import CONSISTENT_KEY, STAGE_OPTIMIZERS_KEY, STAGE_STEPS_KEY
@@ -33,10 +32,7 @@ def optimizer_state(client: RawClient) -> dict:
     request = runtime_pb2.ExpertRequest(uid=client.uid, metadata=protocol.encode_metadata({"optimizer": True}))
 
     async def go():
-        parts = []
-        async for response in aiter_with_timeout(await client.stub.rpc_state(request), 20):
-            parts.extend(response.tensors)
-        return protocol.combine(parts)
+        return (await protocol.receive_stream(await client.stub.rpc_state(request), 20, "rpc_state"))[0]
 
     raw = compression.deserialize(client.node.run(go(), 25)[0])
     return torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=True)
