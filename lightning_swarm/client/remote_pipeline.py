@@ -386,41 +386,34 @@ class RemotePipeline(nn.Module):
         ):
             raise BadReplyError(f"a receipt naming peers {receipt.receipt.peers} from hop {hop}")
         if receipt.receipt.stopped:
-            holder = route.stages[reached], route.peers[reached]
-            try:  # a failed collect below the first hop is counted when the recompute reaches the holder's hop
-                parked = self._collect(*holder, metadata["parcel"], ReplyCheck(batch), count=reached == hop)
-            except CALLERS_FAULT:
-                raise
-            except Exception as e:
-                if reached < hop:
-                    return self._lost_below(hop, grad, holder, e)
-                # the peer holding the gradient left or moved since: its hop is recomputed on another peer
-                log.warning("Stage %d: collecting a gradient from %s failed (%r): recomputing", stage, peer, e)
-                return hop, grad, None, e
+            parked, failed = self._collect_parked(hop, route, reached, metadata["parcel"], ReplyCheck(batch))
+            if parked is None:
+                return hop, grad, None, failed
             return reached - 1, parked, None, receipt.receipt.error
         first = route.inputs[0]
         check = ReplyCheck(batch, first.size, compression.decoded_dtype(first), loss_scale is None, device=device)
-        holder = route.stages[0], route.peers[0]
+        parked, failed = self._collect_parked(hop, route, 0, metadata["parcel"], check)
+        return (-1, parked, check.decoded, "") if parked is not None else (hop, grad, None, failed)
+
+    def _collect_parked(
+        self, hop: int, route: Route, reached: int, parcel: str, check: ReplyCheck
+    ) -> tuple[Optional[runtime_pb2.Tensor], BaseException | str]:
+        """The gradient that the chain from ``hop`` parked on the peer of hop ``reached``, and ``""``; or None and
+        why the chain is recomputed from ``hop`` (see :meth:`_chain_backward`). If that peer is ``hop``'s own, its
+        error: the hop is recomputed on another peer. If it is further down, ``""``: the gradients between are gone,
+        and so are the graphs the chain used, so ``hop`` is recomputed on its peer, then each hop below it; the
+        holder's hop calls it again, which counts its failure (not counted here) and reports the failover."""
+        holder = route.stages[reached], route.peers[reached]
         try:
-            return -1, self._collect(*holder, metadata["parcel"], check, count=hop == 0), check.decoded, ""
+            return self._collect(*holder, parcel, check, count=reached == hop), ""
         except CALLERS_FAULT:
             raise
         except Exception as e:
-            if hop == 0:  # as above: the peer of this very hop failed, which is recomputed on another peer
+            if reached == hop:
                 log.warning("Stage %d: collecting a gradient from %s failed (%r): recomputing", *holder, e)
-                return hop, grad, None, e
-            return self._lost_below(hop, grad, holder, e)
-
-    @staticmethod
-    def _lost_below(
-        hop: int, grad: runtime_pb2.Tensor, holder: tuple[int, str], error: Exception
-    ) -> tuple[int, runtime_pb2.Tensor, None, str]:
-        """The chain from ``hop`` down parked its gradient on ``holder``, which failed before it was collected:
-        the gradients between are gone, and so are the graphs the chain used. ``hop`` is recomputed on its peer
-        (``""``: it dropped the graph), then each hop below it; the holder's hop calls it again, which counts its
-        failure and reports the failover."""
-        log.warning("Stage %d: collecting a gradient from %s failed (%r): recomputing from hop %d", *holder, error, hop)
-        return hop, grad, None, ""
+                return None, e
+            log.warning("Stage %d: collecting a gradient from %s failed (%r): recomputing from hop %d", *holder, e, hop)
+            return None, ""
 
     def _collect(self, stage: int, peer: str, parcel: str, check: ReplyCheck, count: bool = True) -> runtime_pb2.Tensor:
         """The parcel a chain parked on ``peer`` (of ``stage``), once ``check`` passed it; a failure is counted
