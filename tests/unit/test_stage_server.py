@@ -102,10 +102,7 @@ def test_an_outsiders_stream_is_refused_on_its_first_message(tmp_path):
             signed = policy.sign_metadata(NONE_META, "run", member, server_id)
             pulled.clear()
             reply = asyncio.run(stream(member, signed))
-            assert (
-                len(pulled) == 8
-                and compression.deserialize(reply[0]).shape == x.shape
-            )
+            assert len(pulled) == 8 and compression.deserialize(reply[0]).shape == x.shape
     finally:
         server.shutdown()
 
