@@ -262,6 +262,15 @@ class CountingProgressTracker(ProgressTracker):
         partners = [e for e in self._records if (e.epoch == mine and e.samples_accumulated) or e.epoch == mine + 1]
         return 1 + len(partners)
 
+    def round_size(self, unseen: bool) -> int:
+        """The peers the round at the end of this one's epoch expects, itself included: :meth:`group_size`; with
+        ``unseen`` (delayed updates), when none of them showed samples of this epoch, the peers at its epoch or one
+        ahead all the same (:meth:`peers_at_epoch`). Their samples may not have been fetched yet (a refresh is up to
+        half a matchmaking time old): stepping alone put them into a round one epoch behind, and one stage step in
+        eight was taken so. A partner with no samples does not come, and the round fails in the background."""
+        size = self.group_size()
+        return self.peers_at_epoch() if unseen and size == 1 else size
+
     def peers_at_epoch(self) -> int:
         """The peers at this one's epoch, or one ahead, with samples or not, itself included (as last fetched)."""
         mine = self.local_progress.epoch
@@ -512,7 +521,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         # the round's group is complete once the partners counted in this epoch have joined: it begins at once
         if self.scheduled_grads is not None and (self.scheduled_grads.triggered or self.scheduled_grads.done()):
             self.scheduled_grads = None  # the last round's: hivemind would skip this round for it (nothing replaces it)
-        self._expected_group = self.tracker.global_progress.num_peers = self.tracker.group_size()
+        self._expected_group = self.tracker.round_size(unseen=self.delay_grad_averaging)
+        self.tracker.global_progress.num_peers = self._expected_group
         if self._expected_group > 1:
             self.grad_averager.expect_group(self._expected_group)
             if not self.delay_optimizer_step:  # for a parameter round after this step, if there is one

@@ -226,7 +226,8 @@ def test_the_partners_of_a_round_include_those_that_just_left_its_epoch():
     and those now one epoch ahead (with delayed updates their round of its epoch is still looking for it); not
     peers without samples in its epoch, nor further ahead. Counting only peers with samples of the swarm's newest
     epoch, it saw nobody and stepped alone while its partner waited for it in vain (most failed rounds of the
-    demo)."""
+    demo). With delayed updates, a peer that counts nobody expects the peers at its epoch or one ahead, with samples
+    or not (theirs may not have been fetched yet)."""
     node = SwarmNode().start()
     tracker = CountingProgressTracker(dht=node.dht, prefix="partners", target_batch_size=8, start=False)
     try:
@@ -253,6 +254,11 @@ def test_the_partners_of_a_round_include_those_that_just_left_its_epoch():
         assert peers((3, 5), (4, 0)) == 3
         assert peers((3, 0)) == 1  # nothing to average
         assert peers((5, 0)) == 1  # two epochs ahead: this peer downloads the state instead
+
+        # with delayed updates, a partner at its epoch whose samples were not seen yet is expected all the same
+        assert peers((3, 0)) == 1 and tracker.round_size(unseen=False) == 1 and tracker.round_size(unseen=True) == 2
+        assert peers((3, 0), (4, 0), (5, 0)) == 2 and tracker.round_size(unseen=True) == 2  # one counted: as it is
+        assert peers((5, 0)) == 1 and tracker.round_size(unseen=True) == 1
     finally:
         node.shutdown()
 
