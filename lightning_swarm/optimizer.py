@@ -208,7 +208,8 @@ class CountingProgressTracker(ProgressTracker):
     wait for an all-reduce partner (up to the averaging timeout) that has nothing to contribute and never comes.
     Here every peer reports a rate of zero, so the swarm steps on samples actually processed; and the peers of
     an all-reduce are this one, those with samples in its epoch, and those that just left that epoch (their round
-    may still be looking for this peer). Peers left out catch up by downloading the state
+    may still be looking for this peer); with delayed updates, when none of those is seen, the peers at its epoch
+    or one ahead (:meth:`round_size`). Peers left out catch up by downloading the state
     (``SwarmOptimizer.follow_swarm``).
 
     Given a :class:`PerTrainerBatch` target, its ``target_batch_size`` is that times the peers training (``trainers``,
