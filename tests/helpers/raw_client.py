@@ -107,7 +107,7 @@ class RawClient:
             return await protocol.receive_stream(await self.stub.rpc_state(request), TIMEOUT, "rpc_state")
 
         tensors, metadata = self.node.run(go(), TIMEOUT + 5)
-        return {k: compression.deserialize(t) for k, t in zip(metadata["keys"], tensors)}
+        return {k: compression.deserialize(t) for k, t in zip(metadata["keys"], tensors, strict=True)}
 
 
 def wait_until_serving(client: RawClient, peer, timeout: float = 90.0) -> dict:

@@ -52,8 +52,9 @@ def test_inference_forwards_of_several_callers_run_as_one_pass_and_each_gets_its
         while not lock.wanted.is_set():  # until the worker took it
             await asyncio.sleep(0.01)
         # requests are decoded in a thread pool: each is queued before the next is sent, so their turns are fixed
-        turns = [("b", {"train": False}), ("c", {"train": False}), ("d", {"train": False}), ("f", {"keep": "k"})]
-        for queued, (caller, metadata) in enumerate([*turns, ("e", {"train": False})], start=1):
+        inference = {"train": False}
+        turns = [("b", inference), ("c", inference), ("d", inference), ("f", {"keep": "k"}), ("e", inference)]
+        for queued, (caller, metadata) in enumerate(turns, start=1):
             answers[caller] = forward(server, caller, inputs[caller], **metadata)
             while server._tasks.qsize() < queued:
                 await asyncio.sleep(0.01)
