@@ -68,10 +68,11 @@ def no_leftover_processes():
     # multiprocessing's own helper, not a leftover: locks made under forkserver (Python 3.14's default) start it. It
     # keeps running: stopped here, it unlinked the semaphores of hivemind's locks, whose finalizers then failed at exit
     tracker = resource_tracker._resource_tracker._pid
-    # a zombie has exited (CUDA's stack symbolizer leaves addr2line children unreaped): nothing of it is left running
-    children = [
-        c for c in psutil.Process().children(recursive=True) if c.pid != tracker and _status(c) != psutil.STATUS_ZOMBIE
-    ]
+    # CUDA's stack symbolizer runs short-lived addr2line children, some still running when the suite ends: a child
+    # that exits within a few seconds is not a leftover, and a zombie has exited already
+    children = [c for c in psutil.Process().children(recursive=True) if c.pid != tracker]
+    _, alive = psutil.wait_procs(children, timeout=5)
+    children = [c for c in alive if _status(c) != psutil.STATUS_ZOMBIE]
     for process in [*children, *(psutil.Process(pid) for pid in left if psutil.pid_exists(pid))]:
         process.kill()
     namespaces = leftover_namespaces()  # emulated hosts (helpers/emulated_hosts.py) whose test did not remove them
