@@ -15,7 +15,7 @@ from lightning_swarm.discovery import PeerState
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.rebalancing import capacities
 
-PERIOD = 12.0  # seconds between rebalancing rounds
+PERIOD = 8.0  # seconds between rebalancing rounds
 THREE_BLOCKS = ["--d-model", "32", "--n-layer", "3", "--n-head", "2", "--block-size", "32", "--batch-size", "8"]
 
 
