@@ -403,6 +403,10 @@ class StageRouter:
     def _call_peer(
         self, stage: int, peer: str, method: str, tensors: list, metadata: dict, batch: int, timeout: float
     ) -> list[runtime_pb2.Tensor]:
+        if self.direct and peer not in self._peers[stage]:
+            # a peer named by someone else (the peer that kept a forward, a backward hand-on's next hop): its
+            # record, unless read within the refresh period, gives its direct address (without it: libp2p)
+            self.refresh(stage)
         load = self._peers[stage].get(peer)
         with self._lock:
             if load is not None:

@@ -61,6 +61,14 @@ def test_router_calls_the_direct_path_with_the_results_of_libp2p_and_falls_back(
         assert torch.equal(decoded(over_direct)[0], decoded(over_p2p)[0])
         assert direct.stats.direct_calls == 4 and p2p.stats.p2p_calls == 6, (direct.stats, p2p.stats)
 
+        # a peer named by another (a backward hand-on's next hop) to a router that never chose in its stage: the
+        # router reads the stage's records first, and the call goes direct
+        named = StageRouter(node, swarm.run_id, 1, request_timeout=20)
+        reply = named.call_peer(0, str(client.peer_id), "forward", [wire(x)], {**META, "train": False}, 4)
+        assert torch.equal(decoded(reply)[0], expected[0])
+        assert (named.stats.direct_calls, named.stats.p2p_calls) == (1, 0), named.stats
+        named.close()
+
         # fallback: a record whose direct address refuses connections; calls go over libp2p and succeed
         direct.refresh_period = 1e9  # keep the doctored record
         load = direct._peers[0][str(client.peer_id)]
