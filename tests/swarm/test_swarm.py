@@ -121,7 +121,7 @@ def test_a_peer_of_another_precision_is_refused_when_it_joins(swarm):
 
 def test_four_peers_two_stages_loss_falls(swarm, tmp_path):
     """Four peers (each serving a stage and training on its own data) with 8-bit compression: the loss falls."""
-    steps = 30
+    steps = 20  # the mean of the last five is ~3.2 by then, uniform - 1.5 is ~3.6
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "16"}
 
     args = [*SMALL_GPT, "--max-steps", str(steps), "--lr", "1e-2"]
