@@ -53,12 +53,16 @@ def test_sigterm_mid_training_leaves_in_time_and_loses_no_microbatch(swarm, tmp_
     completes every step."""
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "16", "SWARM_LEAVE_TIMEOUT": str(LEAVE_TIMEOUT)}
     env.update(SWARM_ROLE="serve", SWARM_REBALANCE_PERIOD="0")
-    swarm.start("s0", SMALL_GPT, env={**env, "SWARM_STAGE": "0"})
-    leaver = swarm.start("s1a", SMALL_GPT, env={**env, "SWARM_STAGE": "1"})
-    swarm.start("s1b", SMALL_GPT, env={**env, "SWARM_STAGE": "1"})
     record = tmp_path / "trainer.json"
     args = [*SMALL_GPT, "--max-steps", "60", "--history", str(record)]
-    swarm.start("trainer", args, env={**env, "SWARM_ROLE": "drive"})
+    _, leaver, _, _ = swarm.start_together(  # the first alone, creating the swarm; the others together
+        {
+            "s0": (SMALL_GPT, {**env, "SWARM_STAGE": "0"}),
+            "s1a": (SMALL_GPT, {**env, "SWARM_STAGE": "1"}),
+            "s1b": (SMALL_GPT, {**env, "SWARM_STAGE": "1"}),
+            "trainer": (args, {**env, "SWARM_ROLE": "drive"}),
+        }
+    )
     wait_for_steps(swarm, "trainer", record, 10)
 
     sent = time.monotonic()
