@@ -16,6 +16,9 @@ others, and only a request the caller got wrong (:data:`~lightning_swarm.errors.
 A stage with no usable peer at all (none in
 the DHT, or all banned) is waited for, with a log line every ``WAIT_LOG_PERIOD`` seconds, for up to
 ``stage_wait_timeout`` seconds before it is reported as unavailable.
+A stage's records are read from the DHT once before its first choice, then again every ``refresh_period`` seconds
+on a thread of the router's own while the choices go on with the records at hand: a read takes round trips to
+several DHT peers, and no microbatch waits for one.
 Calls go to a peer's direct address (:mod:`~lightning_swarm.transport`) when its record has one, and over libp2p
 otherwise, or when no direct connection can be made (remembered for ``UNREACHABLE_PERIOD`` seconds).
 """
@@ -27,6 +30,7 @@ import logging
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
@@ -183,6 +187,8 @@ class StageRouter:
         self.local_server: Optional[LocalStage] = None  # this peer's own stage server, called without the network
         self._peers: list[dict[str, PeerLoad]] = [{} for _ in range(num_stages)]
         self._refreshed_at = [0.0] * num_stages
+        self._refreshing: set[int] = set()  # stages whose records are being read in the background
+        self._refresher = ThreadPoolExecutor(1, "swarm-refresh")
         self._lock = threading.Lock()
         self._rng = random.Random()  # seeded by the OS: trainers seeded alike must not choose alike
         self._direct_client: Optional[DirectClient] = None  # created on the RPC event loop at the first direct call
@@ -191,7 +197,8 @@ class StageRouter:
     # ---- peer choice ------------------------------------------------------------------------------------------------
 
     def refresh(self, stage: int, force: bool = False) -> None:
-        if not force and time.monotonic() - self._refreshed_at[stage] < self.refresh_period:
+        """Read the records of ``stage`` from the DHT now, unless read within ``refresh_period`` (``force``: now)."""
+        if not force and self._fresh(stage):
             return
         try:
             records = discovery.fetch_stage(self.node, self.run_id, stage)
@@ -210,9 +217,38 @@ class StageRouter:
                     known[peer_id] = PeerLoad(record)
             self._refreshed_at[stage] = time.monotonic()
 
+    def _fresh(self, stage: int) -> bool:
+        return time.monotonic() - self._refreshed_at[stage] < self.refresh_period
+
+    def _refresh_behind(self, stage: int) -> None:
+        """Records of ``stage`` to choose from without waiting for the DHT: read now only if never read, else, once
+        stale, read again on a thread of their own while the stale ones serve (a DHT read takes round trips to
+        several peers: on a slow network, each microbatch that waited for one stalled the pipeline)."""
+        if self._fresh(stage):
+            return
+        if not self._refreshed_at[stage]:
+            self.refresh(stage)
+            return
+        with self._lock:
+            if stage in self._refreshing:
+                return
+            self._refreshing.add(stage)
+        try:
+            self._refresher.submit(self._refresh_then_release, stage)
+        except RuntimeError:  # closed: the router is leaving
+            with self._lock:
+                self._refreshing.discard(stage)
+
+    def _refresh_then_release(self, stage: int) -> None:
+        try:
+            self.refresh(stage)
+        finally:
+            with self._lock:
+                self._refreshing.discard(stage)
+
     def choose(self, stage: int, batch: int, exclude: frozenset = frozenset()) -> Optional[str]:
         """A serving, unbanned peer of ``stage`` for ``batch`` more samples (see the module docstring)."""
-        self.refresh(stage)
+        self._refresh_behind(stage)
         now = time.monotonic()
         with self._lock:
             usable = [
@@ -476,7 +512,9 @@ class StageRouter:
         self._unreachable[peer] = time.monotonic() + UNREACHABLE_PERIOD
 
     def close(self) -> None:
-        """Close the direct connections (the router can still call over libp2p afterwards)."""
+        """Close the direct connections (the router can still call over libp2p afterwards) and stop refreshing
+        records in the background."""
+        self._refresher.shutdown(wait=False, cancel_futures=True)
         client, self._direct_client = self._direct_client, None
         if client is not None:
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 from lightning_swarm.client.routing import PeerLoad, StageRouter
@@ -40,3 +41,32 @@ def test_stochastic_wiring_shares_work_by_throughput_and_load():
     banned = load(1000.0, banned_until=time.monotonic() + 60)
     assert _shares(_router_with({"banned": banned, "ok": load(1.0)}), draws=100) == {"ok": 1.0}
     assert _router_with({"banned": banned}).choose(0, batch=8) is None
+
+
+def test_stale_records_are_read_again_in_the_background_while_microbatches_go_on(monkeypatch):
+    """Only the first read of a stage's records is waited for: a stale one is refreshed on another thread, and
+    choosing a peer meanwhile takes the records at hand instead of waiting for the DHT."""
+    from lightning_swarm import discovery
+
+    release, reads = threading.Event(), []
+
+    def fetch_stage(node, run_id, stage):
+        reads.append(threading.current_thread().name)
+        if len(reads) > 1:  # the second read, on the refresher's thread: a slow DHT, until released
+            assert release.wait(30)
+        peers = ["old"] if len(reads) == 1 else ["new"]
+        return {p: PeerRecord(p, stage, PeerState.SERVING, 1.0, 0) for p in peers}
+
+    monkeypatch.setattr(discovery, "fetch_stage", fetch_stage)
+    router = StageRouter(node=None, run_id="unit", num_stages=1, refresh_period=0.0)
+    try:
+        assert router.choose(0, batch=1) == "old" and reads == [threading.current_thread().name]
+        assert router.choose(0, batch=1) == "old"  # stale: read again behind, the stale record chosen meanwhile
+        assert router.choose(0, batch=1) == "old"  # one read in the background at a time
+        release.set()
+        router._refresher.submit(lambda: None).result(timeout=30)  # the refresher's queue is done
+        assert len(reads) == 2 and reads[1].startswith("swarm-refresh")
+        assert set(router._peers[0]) == {"new"}
+    finally:
+        release.set()
+        router.close()
