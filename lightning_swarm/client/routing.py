@@ -189,6 +189,7 @@ class StageRouter:
         self._refreshed_at = [0.0] * num_stages
         self._refreshing: set[int] = set()  # stages whose records are being read in the background
         self._refresher = ThreadPoolExecutor(1, "swarm-refresh")
+        self._closed = False
         self._lock = threading.Lock()
         self._rng = random.Random()  # seeded by the OS: trainers seeded alike must not choose alike
         self._direct_client: Optional[DirectClient] = None  # created on the RPC event loop at the first direct call
@@ -203,7 +204,9 @@ class StageRouter:
         try:
             records = discovery.fetch_stage(self.node, self.run_id, stage)
         except Exception as e:  # keep routing with what we know; the next refresh tries again
-            log.warning("Could not read the peers of stage %d: %r", stage, e)
+            # after close() the node is going: calls still waiting read records of a DHT that shut down
+            level = logging.DEBUG if self._closed else logging.WARNING
+            log.log(level, "Could not read the peers of stage %d: %r", stage, e)
             return
         with self._lock:
             known = self._peers[stage]
@@ -514,6 +517,7 @@ class StageRouter:
     def close(self) -> None:
         """Close the direct connections (the router can still call over libp2p afterwards) and stop refreshing
         records in the background."""
+        self._closed = True
         self._refresher.shutdown(wait=False, cancel_futures=True)
         client, self._direct_client = self._direct_client, None
         if client is not None:
