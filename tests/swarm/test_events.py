@@ -67,9 +67,8 @@ def test_callbacks_receive_every_event_type(swarm, tmp_path):
     recorder = swarm.start("r", [str(out)], env=recorder_env, script=[EVENT_PEER])
     wait_for("training", lambda: (out / "steps").exists(), recorder, 300)
     names = {peer_id(swarm.peers["x"]): "x", peer_id(recorder): "r"}
-    for name in "yz":
-        names[peer_id(swarm.start(name, SMALL_GPT, env=serve))] = name
-    names[peer_id(swarm.start("w", SMALL_GPT, env=stay))] = "w"
+    joiners = {"y": (SMALL_GPT, serve), "z": (SMALL_GPT, serve), "w": (SMALL_GPT, stay)}
+    names.update({peer_id(peer): name for name, peer in zip(joiners, swarm.start_together(joiners))})
 
     def event(kind: str, **fields):
         return lambda: [e for e in events_of(out) if e["type"] == kind and fields.items() <= e.items()]
