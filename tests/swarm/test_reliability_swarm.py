@@ -37,11 +37,12 @@ def steps_done(path) -> int:
 def start_and_kill_stage1(swarm, tmp_path, env: dict, steps: int, trainers: tuple = ("trainer",)):
     """Trainers (stage 0) and the only stage-1 peer; once every trainer made progress, kill -9 the stage-1 peer
     with its daemons."""
-    swarm.start("stage1", SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})
     record = tmp_path / "trainer.json"
+    peers = {"stage1": (SMALL_GPT, {**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})}
     for name in trainers:
         args = [*SMALL_GPT, "--max-steps", str(steps), "--history", str(tmp_path / f"{name}.json")]
-        swarm.start(name, args, env={**env, "SWARM_STAGE": "0"})
+        peers[name] = (args, {**env, "SWARM_STAGE": "0"})
+    swarm.start_together(peers)  # stage1 alone first, creating the swarm; then the trainers together
     deadline = time.monotonic() + 120
     for name in trainers:
         while steps_done(tmp_path / f"{name}.json") < 5:  # History writes every 5 steps
