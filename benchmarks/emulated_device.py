@@ -54,7 +54,7 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -625,7 +625,18 @@ def _install_optimizer(device: EmulatedDevice) -> None:
     TrainingStateAverager._apply_optimizer_parameters_ = apply_optimizer_parameters_
 
 
-def instrument(device: EmulatedDevice) -> None:
+class HostRecorder:
+    """What :func:`instrument` needs of a device, for a real one: the timeline its records go to, this process's
+    number, and the request a stage server's worker computes (``benchmarks/gpu.py --trace``)."""
+
+    def __init__(self, timeline: Timeline, proc: int) -> None:
+        self.timeline, self.proc = timeline, proc
+        self._local = threading.local()
+
+    set_request, request = EmulatedDevice.set_request, EmulatedDevice.request
+
+
+def instrument(device: Union[EmulatedDevice, HostRecorder]) -> None:
     """Records of what the swarm does, on the timeline (wrappers that call the real methods unchanged)."""
     from lightning_swarm import protocol
     from lightning_swarm.client.remote_pipeline import RemotePipeline

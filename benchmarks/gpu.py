@@ -23,7 +23,10 @@ never past the budget, and a run that cannot start in time is reported as "skipp
 priority: every configuration at the first target, then at the next. Every run's peers are stopped by their process
 groups before the next one starts, also on an error or SIGTERM. Figures are merged into `results/gpu.json` beside
 `--out` (a run replaces the earlier figures of the same configuration), and the `gpu` section of `--out` is
-rewritten from all of them. `--calibrate` measures one stage's (4 blocks) forward and backward per sample on the GPU
+rewritten from all of them. `--trace` records what each swarm's processes do on a shared timeline (benchmarks/emulated_device.py's records,
+host clocks only, a few microseconds per request) and splits each phase's requests into parts, per stage and kind,
+with the steps (`trace_figures`): printed under the phase's line and kept in its figures. `--calibrate` measures one
+stage's (4 blocks) forward and backward per sample on the GPU
 instead, the figures benchmarks/gpu_proxy.py is calibrated with, into `results/gpu_calibration.json` beside `--out`.
 
 Targets (issue 25): swarm/plain >= 0.8 at d_model 2048 and >= 0.5 at d_model 1024, in 32-true and bf16-mixed; each
@@ -50,6 +53,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,6 +64,7 @@ from typing import Any, Optional, Union
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import emulated_device as emu  # noqa: E402
 from harness import (  # noqa: E402
     ONE_THREAD,
     STAGES,
@@ -178,6 +183,8 @@ def peer_main(argv: list[str]) -> None:
     parser.add_argument("--record", help="the trainer's figures per batch (JSON)")
     a = parser.parse_args(argv)
     role = os.environ.get("SWARM_ROLE", "both")
+    if timeline := os.environ.get("GPU_TRACE_TIMELINE"):  # --trace: what the swarm does, on a shared timeline
+        emu.instrument(emu.HostRecorder(emu.Timeline(timeline), int(os.environ["GPU_TRACE_PROC"])))
     if directory := os.environ.get("GPT_CUDA_MEMORY_DIR"):
         report_cuda_memory(directory, role)
     torch.set_num_threads(1)
@@ -233,6 +240,9 @@ def phase_control(phases: list[dict], path: Optional[str]) -> Any:
             calls = {str(k): v for k, v in trainer.strategy.router_stats.seconds.items()}
             self.records.append(
                 dict(phase=self.index, timed=self.current_timed, count=self.count, settled=settled, end=time.time())
+            )
+            self.records[-1].update(
+                monotonic=time.monotonic()  # the clock of --trace's timeline
             )
             self.records[-1].update(loss=float(outputs["loss"]), calls=calls)
             if path:
@@ -290,6 +300,55 @@ def phase_figures(records: list[dict], phases: list[dict], batch: int) -> list[d
     return figures
 
 
+TRACE_PARTS = (
+    "transfer",  # a call's start (trainer or handing stage) -> the stage server has the request
+    "decode",  # -> queued for the worker (host copy, host-to-device copy, dequantize, checks)
+    "queue",  # -> the worker took it
+    "serve",  # -> the worker handed it back (launches; the device is waited for only where the code must)
+    "reply",  # -> the reply left the handler (encode, and for a chained request the hand-on to the next stage)
+)
+
+
+def trace_figures(records: Any, start: float, end: float) -> dict:
+    """``--trace``: a phase's requests from its timed batches' records (``start``, ``end``: ``time.monotonic``),
+    ms, median per stage and request kind for each of ``TRACE_PARTS``, with the request count; and the stages' and
+    trainer's optimizer steps (``step``: median ms and count)."""
+    inside = records[(records["t0"] >= start) & (records["t0"] <= end)]
+
+    def by_key(kind: int, proc_field: str) -> dict:
+        rows = inside[inside["kind"] == kind]
+        return {(int(x[proc_field]), int(x["key"]), int(x["extra"])): x for x in rows if int(x["key"])}
+
+    calls = by_key(emu.CALL, "value")  # keyed by the stage called
+    arrive, submit, serve, answer = (by_key(k, "proc") for k in (emu.ARRIVE, emu.SUBMIT, emu.SERVE, emu.ANSWER))
+    # a backward's worker answers when it hands the gradients over (an optimizer step may follow)
+    handovers = {(int(x["proc"]), int(x["key"])): float(x["t0"]) for x in inside[inside["kind"] == emu.HANDOVER]}
+    figures: dict = {}
+    for (stage, key, code), a in arrive.items():
+        found = [calls.get((stage, key, code)), a, submit.get((stage, key, code)), serve.get((stage, key, code))]
+        ending = answer.get((stage, key, code))
+        if any(x is None for x in found) or ending is None:
+            continue
+        call, _, queued, served = found
+        answered = handovers.get((stage, key), float(served["t1"])) if code == 2 else float(served["t1"])
+        answered = min(answered, float(ending["t1"]))  # its worker may go on after handing the result back
+        times = [float(call["t0"]), float(a["t0"]), float(queued["t0"]), float(served["t0"]), answered]
+        times.append(float(ending["t1"]))
+        name = f"stage {stage} {'forward' if code == 1 else 'backward'}"
+        entry = figures.setdefault(name, {p: [] for p in TRACE_PARTS})
+        for part, t0, t1 in zip(TRACE_PARTS, times, times[1:]):
+            entry[part].append(1000 * (t1 - t0))
+    out = {
+        name: {"count": len(parts["transfer"]), **{p: statistics.median(v) for p, v in parts.items()}}
+        for name, parts in sorted(figures.items())
+    }
+    for proc, name in [*((k, f"stage {k} step") for k in range(STAGES)), (emu.TRAINER, "trainer step")]:
+        steps = inside[(inside["kind"] == emu.STEP) & (inside["proc"] == proc)]
+        if len(steps):
+            out[name] = {"count": len(steps), "step": 1000 * statistics.median(steps["t1"] - steps["t0"])}
+    return out
+
+
 def loss_gap(swarm: list[float], reference: list[float]) -> Optional[float]:
     """The largest difference between two loss curves over the batches both have (None: none in common)."""
     common = list(zip(swarm, reference))
@@ -309,6 +368,12 @@ def run_swarm(
     trainer_args = [*args, "--phases", json.dumps(phases), "--record", str(record)]
     peers = {f"stage{k}": (args, {"SWARM_ROLE": "serve", "SWARM_STAGE": str(k)}) for k in range(STAGES)}
     peers["trainer"] = (trainer_args, {"SWARM_ROLE": "drive"})
+    if os.environ.get("GPU_TRACE"):
+        timeline = work / f"{run_id}.timeline"
+        emu.Timeline.create(timeline)
+        env = {**env, "GPU_TRACE_TIMELINE": str(timeline)}
+        for proc, (_, peer_env) in zip([*range(STAGES), emu.TRAINER], peers.values()):
+            peer_env["GPU_TRACE_PROC"] = str(proc)
     try:
         with LocalSwarm(
             [__file__, "--peer"], work / run_id, run_id=run_id, env={**ONE_THREAD, **SWARM, **env}
@@ -334,10 +399,16 @@ def measure_swarm(
     failed = failure(error, peer_logs(work / run_id)) if error is not None else None
     oom_in = out_of_memory(peer_logs(work / run_id))
     results = []
-    for phase, figures in zip(phases, phase_figures(records, phases, batch)):
+    timeline = work / f"{run_id}.timeline"
+    for index, (phase, figures) in enumerate(zip(phases, phase_figures(records, phases, batch))):
         finished = "samples_per_s" in figures and figures["batches"] >= phase["batches"]
         status = {"status": "ok"} if finished else failed or {"status": "failed", "error": "no timed batches"}
         results.append({**figures, **status, "stage_peak_rss": rss, **({"oom_in": oom_in} if oom_in else {})})
+        rows = [r for r in records if r["phase"] == index]
+        warm, timed = [r for r in rows if not r["timed"]], [r for r in rows if r["timed"]]
+        if timeline.exists() and warm and timed:
+            traced = emu.Timeline(timeline).records()
+            results[-1]["trace"] = trace_figures(traced, warm[-1]["monotonic"], timed[-1]["monotonic"])
     results[0]["losses"] = [r["loss"] for r in records]
     return results
 
@@ -368,6 +439,8 @@ def run(
     runs = [{**settings, **r, **extra} for r in results]
     for r in runs:
         print(describe(r), flush=True)
+        for name, parts in r.get("trace", {}).items():  # --trace
+            print(f"    {name}: " + ", ".join(f"{p} {v:.4g}" for p, v in parts.items()), flush=True)
     return runs
 
 
@@ -669,8 +742,13 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS), help="results file; the JSON goes to results/ beside it")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="only merge these results/gpu.json into --out's")
     parser.add_argument("--calibrate", action="store_true", help="only time one stage's blocks on the GPU")
+    parser.add_argument(
+        "--trace", action="store_true", help="split each phase's requests into parts, ms (see trace_figures)"
+    )
     a = parser.parse_args()
     deadline = time.monotonic() + a.budget
+    if a.trace:
+        os.environ["GPU_TRACE"] = "1"
     out = Path(a.out)
     if a.merge:
         save([r for path in a.merge for r in json.loads(Path(path).read_text())["runs"]], out)

@@ -17,7 +17,8 @@
 #               gpu_proxy.py's calibration takes from the H100
 #   gpu         gpu.py: d_model 2048 and 1024, 32-true and bf16-mixed, plain training and the swarm at target batch
 #               = batch, then at 128; 4, 8 and "auto" microbatches in each swarm ("auto" timed once tuned); the time
-#               left after reserving the later steps' limits (--budget), runs in order of priority
+#               left after reserving the later steps' limits (--budget), runs in order of priority; --trace: each
+#               phase's requests split into parts (transfer, decode, queue, serve, reply) in gpu.log and the JSON
 #   stage_memory  one stage's device memory, d_model 2048, 32-true then bf16-mixed, a step every 16 batches
 #   out_of_core   a stage of 12 blocks of d_model 2048 resident and out of core at 2x and 4x its memory cap: samples/s,
 #               compute and step time apart
@@ -143,7 +144,7 @@ gpu_limit=$((TOTAL - (SECONDS - start) - reserve - GRACE))
 # its last run stops its peers and saves its figures after its budget: 20 s for that inside the step's limit
 step gpu "$gpu_limit" python3 benchmarks/gpu.py --out "$out/RESULTS.md" --d-model 2048 1024 \
   --precision 32-true bf16-mixed --updates synchronous --targets batch 128 --microbatches 4 8 auto \
-  --budget $((gpu_limit - 20)) --timeout 120
+  --budget $((gpu_limit - 20)) --timeout 120 --trace
 
 step stage_memory "${LIMIT[stage_memory]}" bash -c 'rc=0; for precision in 32-true bf16-mixed; do
   python3 benchmarks/stage_memory.py --d-model 2048 --precision $precision --batches 20 --step-every 16 \

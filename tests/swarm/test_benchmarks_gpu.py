@@ -62,7 +62,7 @@ def cpu_run(tmp_path_factory):
     """The whole GPU benchmark run on the CPU with a tiny model, in 32-true (plain, and the synchronous swarm with 2
     then "auto" microbatches) and in a precision its processes refuse (the runs fail): its directory."""
     directory = tmp_path_factory.mktemp("cpu_run")
-    result = gpu_bench(directory, *CPU_RUN, "no-such-precision")
+    result = gpu_bench(directory, *CPU_RUN, "no-such-precision", "--trace")
     assert result.returncode == 0, result.stderr[-3000:]
     return directory
 
@@ -119,6 +119,18 @@ def test_gpu_harness_on_cpu(cpu_run):
         assert {name for name, m in r["memory"].items() if "reserved" in m} == names, r
         assert all(r["memory"][name]["reserved"] is None for name in names), r
         assert r["kind"] == "plain" or all(rss > 0 for rss in r["stage_peak_rss"].values()), r
+
+
+def test_gpu_harness_traces_each_phases_requests_and_steps(cpu_run):
+    """--trace: each timed swarm phase's requests, split into their parts per stage and kind, and the steps."""
+    for r in (r for r in runs_of(cpu_run) if r["kind"] == "swarm"):
+        names = {f"stage {k} {kind}" for k in (0, 1) for kind in ("forward", "backward")}
+        assert names | {"stage 0 step", "stage 1 step", "trainer step"} == set(r["trace"]), r["trace"]
+        for name in names:  # a step every batch: every timed batch's microbatches, through both stages
+            parts = r["trace"][name]
+            assert parts["count"] == r["batches"] * r["counts"][0], (name, parts, r["counts"])
+            assert all(parts[p] >= 0 for p in gpu.TRACE_PARTS), (name, parts)
+        assert all(r["trace"][f"{who} step"]["count"] == r["batches"] for who in ("stage 0", "stage 1", "trainer"))
 
 
 def test_gpu_harness_reports_failed_runs(cpu_run):
