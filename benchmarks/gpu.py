@@ -22,12 +22,13 @@ time (with the samples/s of the phases it finished) is reported too, and the ben
 never past the budget, and a run that cannot start in time is reported as "skipped (budget)". Runs go in order of
 priority: every configuration at the first target, then at the next. Every run's peers are stopped by their process
 groups before the next one starts, also on an error or SIGTERM. Figures are merged into `results/gpu.json` beside
-`--out` (a run replaces the earlier figures of the same configuration), and the `gpu` section of `--out` is
-rewritten from all of them. `--trace` records what each swarm's processes do on a shared timeline (benchmarks/emulated_device.py's records,
-host clocks only, a few microseconds per request) and splits each phase's requests into parts, per stage and kind,
-with the steps (`trace_figures`): printed under the phase's line and kept in its figures. `--calibrate` measures one
-stage's (4 blocks) forward and backward per sample on the GPU
-instead, the figures benchmarks/gpu_proxy.py is calibrated with, into `results/gpu_calibration.json` beside `--out`.
+`--out` (a run replaces the earlier figures of the same configuration; a swarm's ratio stays the one to its own
+command's plain run), and the `gpu` section of `--out` is rewritten from all of them. `--trace` records what each
+swarm's processes do on a shared timeline (benchmarks/emulated_device.py's records, host clocks only, a few microseconds
+per request) and splits each phase's requests into parts, per stage and kind, with the steps (`trace_figures`): printed
+under the phase's line and kept in its figures. `--calibrate` measures one stage's (4 blocks) forward and backward per
+sample on the GPU instead, the figures benchmarks/gpu_proxy.py is calibrated with, into `results/gpu_calibration.json`
+beside `--out`.
 
 Targets (issue 25): swarm/plain >= 0.8 at d_model 2048 and >= 0.5 at d_model 1024, in 32-true and bf16-mixed; each
 stage peer's peak GPU memory <= 0.6 of plain training's whole-model peak; the swarm's loss within 0.01 of plain
@@ -553,11 +554,14 @@ def write(runs: list[dict], path: Path) -> None:
                 label += ["-", "-", "-"]
             else:
                 label += [swarm["updates"], str(swarm["target"]), microbatch_label(swarm)]
-            ok = swarm and reference and swarm["status"] == reference["status"] == "ok"
-            ratio = f"{swarm['samples_per_s'] / reference['samples_per_s']:.3f}" if ok else "-"
+            base = reference  # the plain run measured in the swarm's own command, if any: a ratio side by side
+            if swarm and swarm.get("plain_samples_per_s") is not None:
+                base = {"status": "ok", "samples_per_s": swarm["plain_samples_per_s"]}
+            ok = swarm and base and swarm["status"] == base["status"] == "ok"
+            ratio = f"{swarm['samples_per_s'] / base['samples_per_s']:.3f}" if ok else "-"
             calls = " / ".join(f"{s:.3f}" for s in swarm["call_seconds"]) if swarm and "call_seconds" in swarm else "-"
             gap = f"{swarm['loss_gap']:.4f}" if swarm and swarm.get("loss_gap") is not None else "-"
-            speed_rows.append([*label, speed_cell(reference), speed_cell(swarm), ratio, calls, gap])
+            speed_rows.append([*label, speed_cell(base), speed_cell(swarm), ratio, calls, gap])
         for swarm in [s for s in swarms if s["microbatches"] == swarms[0]["microbatches"]] or [None]:
             label = [device, str(d_model), shape, precision]
             label += [f"{swarm['updates']}, target {swarm['target']}" if swarm else "-"]
@@ -768,6 +772,7 @@ def main() -> None:
     a.mb = a.mb or ([2, "auto"] if a.device == "cpu" else [4] if a.smoke else [4, 8, "auto"])
     warmup = max(1, a.warmup or (1 if tiny else 2))
     signal.signal(signal.SIGTERM, stop_on_signal)
+    plains: dict[tuple, dict] = {}  # this command's plain runs, by configuration
     with tempfile.TemporaryDirectory(prefix="gpu_bench_") as tmp:
         for settings, phases in plan(a, device):
             left = deadline - time.monotonic()
@@ -779,6 +784,12 @@ def main() -> None:
             steps = batches if phases else warmup + 1 + (a.batches or (2 if tiny else 20))
             run_args = model_args(settings["d_model"], steps, batch, block, n_layer)
             new = run(settings, run_args, Path(tmp), warmup + 1, phases, a.timeout, deadline)
+            for r in new:  # a swarm run remembers this command's plain figure: a later command's may replace it
+                configuration = tuple(r[k] for k in KEY[:6])
+                if r["kind"] == "plain":
+                    plains[configuration] = r
+                elif plains.get(configuration, {}).get("status") == "ok":
+                    r["plain_samples_per_s"] = plains[configuration]["samples_per_s"]
             save(new, out)
 
 

@@ -287,6 +287,17 @@ def test_gpu_report(cpu_run, timed_out_run, tmp_path, monkeypatch):
             assert f"{label} {cells}" in text, text
         assert "| no-such-precision | synchronous | 4 | 2 | failed | failed | - | - | - |" in text, text
 
+    # a later command's plain run replaces this one's, but the swarm's ratio stays against its own command's plain run
+    assert finished["plain_samples_per_s"] == plain["samples_per_s"], finished
+    later = {**plain, "samples_per_s": 2 * plain["samples_per_s"]}
+    (tmp_path / "later.json").write_text(json.dumps({"runs": [later]}))
+    out = tmp_path / "later" / "RESULTS.md"
+    out.parent.mkdir()
+    merge_into(out, [str(tmp_path / "ok.json"), str(tmp_path / "later.json")], monkeypatch)
+    ratio = finished["samples_per_s"] / plain["samples_per_s"]
+    cells = f"{plain['samples_per_s']:.2f} | {finished['samples_per_s']:.2f} | {ratio:.3f} |"
+    assert f"{label} {cells}" in out.read_text() and later in runs_of(out.parent), out.read_text()
+
     # the memory columns of a GPU run: the CPU runs' processes with reserved, allocated and nvidia-smi figures
     gib = 2**30
     reserved = {"plain": 10 * gib, "trainer": gib, "stage 0": 5 * gib, "stage 1": 6 * gib}
