@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -341,7 +342,10 @@ def test_run_on_gpu_stops_after_the_import_check_without_cuda(tmp_path, monkeypa
     """benchmarks/run_on_gpu.sh without a GPU: its first step finds no CUDA device, records it, and nothing else
     runs."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    command = ["bash", str(ROOT / "benchmarks" / "run_on_gpu.sh"), str(tmp_path / "out")]
+    script = tmp_path / "checkout" / "benchmarks" / "run_on_gpu.sh"  # a checkout without carried wheels (.whl/)
+    script.parent.mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "run_on_gpu.sh", script)
+    command = ["bash", str(script), str(tmp_path / "out")]
     result = subprocess.run(command, timeout=120, capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
