@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 from helpers import ROOT
-
 from lightning_swarm.settings import SwarmSettings
 
 
