@@ -24,11 +24,11 @@ priority: every configuration at the first target, then at the next. Every run's
 groups before the next one starts, also on an error or SIGTERM. Figures are merged into `results/gpu.json` beside
 `--out` (a run replaces the earlier figures of the same configuration; a swarm's ratio stays the one to its own
 command's plain run), and the `gpu` section of `--out` is rewritten from all of them. `--trace` records what each
-swarm's processes do on a shared timeline (benchmarks/emulated_device.py's records, host clocks only, a few microseconds
-per request) and splits each phase's requests into parts, per stage and kind, with the steps (`trace_figures`): printed
-under the phase's line and kept in its figures. `--calibrate` measures one stage's (4 blocks) forward and backward per
-sample on the GPU instead, the figures benchmarks/gpu_proxy.py is calibrated with, into `results/gpu_calibration.json`
-beside `--out`.
+swarm's processes do on a shared timeline (benchmarks/emulated_device.py's records, host clocks only: 3 us a record on
+the 2-core development machine, 6-8 records a request) and splits each phase's requests into parts, per stage and kind,
+with the steps (`trace_figures`): printed under the phase's line and kept in its figures. `--calibrate` measures one
+stage's (4 blocks) forward and backward per sample on the GPU instead, the figures benchmarks/gpu_proxy.py is calibrated
+with, into `results/gpu_calibration.json` beside `--out`.
 
 Targets (issue 25): swarm/plain >= 0.8 at d_model 2048 and >= 0.5 at d_model 1024, in 32-true and bf16-mixed; each
 stage peer's peak GPU memory <= 0.6 of plain training's whole-model peak; the swarm's loss within 0.01 of plain
@@ -242,9 +242,7 @@ def phase_control(phases: list[dict], path: Optional[str]) -> Any:
             self.records.append(
                 dict(phase=self.index, timed=self.current_timed, count=self.count, settled=settled, end=time.time())
             )
-            self.records[-1].update(
-                monotonic=time.monotonic()  # the clock of --trace's timeline
-            )
+            self.records[-1].update(monotonic=time.monotonic())  # the clock of --trace's timeline
             self.records[-1].update(loss=float(outputs["loss"]), calls=calls)
             if path:
                 with open(path + ".tmp", "w") as f:
@@ -280,11 +278,12 @@ def measure_plain(args: list[str], work: Path, warmup: int, timeout: float) -> d
     }
 
 
-def phase_figures(records: list[dict], phases: list[dict], batch: int) -> list[dict]:
+def phase_figures(records: list[dict], phases: list[dict], batch: int, traced: Any = None) -> list[dict]:
     """Each phase's figures from the trainer's records: samples/s over its timed batches (from the end of its last
     warm-up batch to the end of its last timed one), the trainer's seconds in calls to each stage per timed batch,
     its warm-up batches, the counts its timed batches used and, for "auto", the count it settled on (None: it had
-    not settled within its ``max_warmup``). A phase without timed batches has none of the figures."""
+    not settled within its ``max_warmup``); with ``traced`` (``--trace``'s timeline records), the timed batches'
+    ``trace_figures``. A phase without timed batches has none of the figures."""
     figures = []
     for index, phase in enumerate(phases):
         rows = [r for r in records if r["phase"] == index]
@@ -297,6 +296,8 @@ def phase_figures(records: list[dict], phases: list[dict], batch: int) -> list[d
             calls = [timed[-1]["calls"].get(str(k), 0) - warm[-1]["calls"].get(str(k), 0) for k in range(STAGES)]
             entry.update(samples_per_s=len(timed) * batch / seconds, call_seconds=[c / len(timed) for c in calls])
             entry["counts"] = sorted({r["count"] for r in timed})
+            if traced is not None:
+                entry["trace"] = trace_figures(traced, warm[-1]["monotonic"], timed[-1]["monotonic"])
         figures.append(entry)
     return figures
 
@@ -326,11 +327,9 @@ def trace_figures(records: Any, start: float, end: float) -> dict:
     handovers = {(int(x["proc"]), int(x["key"])): float(x["t0"]) for x in inside[inside["kind"] == emu.HANDOVER]}
     figures: dict = {}
     for (stage, key, code), a in arrive.items():
-        found = [calls.get((stage, key, code)), a, submit.get((stage, key, code)), serve.get((stage, key, code))]
-        ending = answer.get((stage, key, code))
-        if any(x is None for x in found) or ending is None:
+        call, queued, served, ending = (found.get((stage, key, code)) for found in (calls, submit, serve, answer))
+        if any(x is None for x in (call, queued, served, ending)):
             continue
-        call, _, queued, served = found
         answered = handovers.get((stage, key), float(served["t1"])) if code == 2 else float(served["t1"])
         answered = min(answered, float(ending["t1"]))  # its worker may go on after handing the result back
         times = [float(call["t0"]), float(a["t0"]), float(queued["t0"]), float(served["t0"]), answered]
@@ -400,16 +399,12 @@ def measure_swarm(
     failed = failure(error, peer_logs(work / run_id)) if error is not None else None
     oom_in = out_of_memory(peer_logs(work / run_id))
     results = []
-    timeline = work / f"{run_id}.timeline"
-    for index, (phase, figures) in enumerate(zip(phases, phase_figures(records, phases, batch))):
+    timeline = work / f"{run_id}.timeline"  # --trace
+    traced = emu.Timeline(timeline).records() if timeline.exists() else None
+    for phase, figures in zip(phases, phase_figures(records, phases, batch, traced)):
         finished = "samples_per_s" in figures and figures["batches"] >= phase["batches"]
         status = {"status": "ok"} if finished else failed or {"status": "failed", "error": "no timed batches"}
         results.append({**figures, **status, "stage_peak_rss": rss, **({"oom_in": oom_in} if oom_in else {})})
-        rows = [r for r in records if r["phase"] == index]
-        warm, timed = [r for r in rows if not r["timed"]], [r for r in rows if r["timed"]]
-        if timeline.exists() and warm and timed:
-            traced = emu.Timeline(timeline).records()
-            results[-1]["trace"] = trace_figures(traced, warm[-1]["monotonic"], timed[-1]["monotonic"])
     results[0]["losses"] = [r["loss"] for r in records]
     return results
 
