@@ -84,3 +84,4 @@ def test_local_parameters_hold_every_step_and_follow_the_learning_rate_schedule(
     for name in local:
         assert not torch.equal(params[name], initial[name]), f"{name} never moved"
         assert torch.equal(params[name].detach(), values[name].detach()), f"{name} lacks its optimizer's last step"
+
