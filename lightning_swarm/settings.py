@@ -97,9 +97,8 @@ class SwarmSettings:
     delayed_updates: Optional[bool] = field(default=None, metadata={CAST: flag})
     """a stage's all-reduce and optimizer step run in the background while its peer keeps serving with the
     previous parameters; the new ones serve from the first forward after the step finished (one step of
-    staleness at most, only for work done during the step). The trainers' local parameters (embeddings, head) step
-    the same way, their new values taken before a batch's forward. Default: on where the stage computes on the CPU,
-    off on a GPU, where the background step runs on the host and cost more than it hid (an H100, d_model 2048: 4.0
+    staleness at most, only for work done during the step). Default: on where the stage computes on the CPU, off on
+    a GPU, where the background step runs on the host and cost more than it hid (an H100, d_model 2048: 4.0
     samples/s against 6.7 with synchronous steps, measured 2026-11-23 with ``benchmarks/gpu.py``)."""
     microbatches: Microbatches = field(default="auto", metadata={CAST: check_microbatches})
     """a training batch is split into this many microbatches that travel through the stages concurrently, so

@@ -268,17 +268,12 @@ class SwarmStrategy(Strategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._batch_size = extract_batch_size(batch)
-        self._apply_local_update(wait=False)
         self._service()
         if self._stop_requested.is_set():
             self.lightning_module.trainer.should_stop = True
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         return super().optimizer_step(optimizer, closure, model, batch_size=self._batch_size, **kwargs)
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._apply_local_update(wait=True)  # a checkpoint holds the local parameters its optimizer state stepped
-        return super().lightning_module_state_dict()
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Load a checkpoint (``fit(ckpt_path=...)``). Lightning restores it before ``setup``, the whole pipeline
@@ -420,7 +415,8 @@ class SwarmStrategy(Strategy):
             self._stage = Stage(self._spans[stage], module, None, self._pipeline)
         if train:
             user = partitioning.stage_optimizer(self.lightning_module, self._pipeline.path, self._stage.module)
-            self._stage.optimizer = self._swarm_optimizer(user, stage, self._delayed)
+            delayed = self.delayed_updates if self.delayed_updates is not None else self.root_device.type == "cpu"
+            self._stage.optimizer = self._swarm_optimizer(user, stage, delayed)
         return self._stage
 
     def _init(self, blocks: nn.Module) -> None:
@@ -460,24 +456,10 @@ class SwarmStrategy(Strategy):
         calls per peer): all zero before fit and on a peer that sends no work."""
         return self.router.stats.copy() if self.router is not None else RouterStats()
 
-    @property
-    def _delayed(self) -> bool:
-        """Whether the swarm optimizers step in the background (``delayed_updates``, by default on the CPU)."""
-        return self.delayed_updates if self.delayed_updates is not None else self.root_device.type == "cpu"
-
     def _wrap_local_optimizer(self) -> None:
         if self.optimizers:
-            local = partitioning.single_optimizer(self.optimizers)
-            self.optimizers = [self._swarm_optimizer(local, None, self._delayed)]
-            for config in self.lr_scheduler_configs:  # delayed updates step a copy of the user's optimizer
-                config.scheduler.optimizer = self.optimizers[0].opt
+            self.optimizers = [self._swarm_optimizer(partitioning.single_optimizer(self.optimizers), None)]
             self.optimizers[0].load_state_from_peers()
-
-    def _apply_local_update(self, wait: bool) -> None:
-        """Delayed updates: put the local optimizer's background step into the local parameters once it finished
-        (``wait``: let it finish first), before a batch's forward rather than after its backward, as hivemind would."""
-        if self.optimizers and hasattr(self.optimizers[0], "apply_finished_update"):
-            self.optimizers[0].apply_finished_update(wait=wait)
 
     def setup_optimizers(self, trainer: Trainer) -> None:
         has_local_params = any(p.requires_grad for p in self.lightning_module.parameters())
