@@ -433,11 +433,13 @@ class SwarmStrategy(Strategy):
         """``optimizer`` stepping once the swarm's peers sharing it (``stage``'s, None: the trainers) processed the
         target batch."""
         given = target_batch_size(self.lightning_module.trainer, self.target_batch_size)
+        keys = discovery.record_keys(self.run_id, self.num_stages or 0)
         if self.target_batch_size is None:  # this peer's batch per training peer, as their records say (kept after)
-            given = PerTrainerBatch(given, discovery.record_keys(self.run_id, self.num_stages or 0))
+            given = PerTrainerBatch(given, keys)
         self.settings = dataclasses.replace(self.settings, target_batch_size=given)
         prefix, timing = discovery.optimizer_prefix(self.run_id, stage), (self.matchmaking_time, self.averaging_timeout)
-        return swarm_optimizer(self.node.dht, prefix, optimizer, given, *timing, delayed=delayed)
+        trainers = keys if stage is None else None  # the trainers' rounds expect every trainer
+        return swarm_optimizer(self.node.dht, prefix, optimizer, given, *timing, delayed=delayed, trainer_keys=trainers)
 
     def _service(self) -> None:
         """On the training (or serving) thread, between steps: carry out a planned move, then hand the queued

@@ -27,6 +27,7 @@ from lightning_swarm.optimizer import (
     CountingProgressTracker,
     StepPace,
     SwarmOptimizer,
+    TrainerCount,
     swarm_optimizer,
 )
 
@@ -261,6 +262,45 @@ def test_the_partners_of_a_round_include_those_that_just_left_its_epoch():
         assert peers((5, 0)) == 1 and tracker.round_size(unseen=True) == 1
     finally:
         node.shutdown()
+
+
+def test_a_round_of_the_trainers_expects_every_trainer():
+    """The trainers' local optimizer (``expect_trainers``) expects every peer training in each round, as last read,
+    not only the partners whose samples its last progress fetch showed: a round that began with those alone left out
+    a trainer that came moments later (97 of 116 failed rounds of the trainers). Never fewer than it counted."""
+    node = SwarmNode().start()
+    trainers = TrainerCount(node.dht, {})
+    with pytest.raises(ValueError, match="trainers"):
+        CountingProgressTracker(dht=node.dht, prefix="all", target_batch_size=8, start=False, expect_trainers=True)
+    tracker = CountingProgressTracker(
+        dht=node.dht, prefix="all", target_batch_size=8, start=False, trainers=trainers, expect_trainers=True
+    )
+    alone = CountingProgressTracker(dht=node.dht, prefix="all", target_batch_size=8, start=False, trainers=trainers)
+    try:
+        for t in tracker, alone:
+            t.local_progress = t.local_progress.copy(update=dict(epoch=3, samples_accumulated=4))
+            t._records = [progress(3, 16), progress(3, 0)]  # one partner's samples seen, another's not yet
+        trainers.count = 4
+        assert alone.round_size(unseen=False) == 2
+        assert tracker.round_size(unseen=False) == tracker.round_size(unseen=True) == 4
+        trainers.count = None  # not read yet: the partners counted
+        assert tracker.round_size(unseen=False) == 2
+        trainers.count = 1
+        assert tracker.round_size(unseen=False) == 2
+    finally:
+        node.shutdown()
+
+
+def progress(epoch: int, samples: int, peer: bytes = b"partner") -> LocalTrainingProgress:
+    """A partner's progress record as a tracker fetches it."""
+    return LocalTrainingProgress(
+        peer_id=peer + bytes([epoch, samples]),
+        epoch=epoch,
+        samples_accumulated=samples,
+        samples_per_second=0.0,
+        time=get_dht_time(),
+        client_mode=False,
+    )
 
 
 def test_a_pre_scheduled_round_triggered_late_still_meets_its_partner():
