@@ -17,7 +17,7 @@ from helpers.stage import ask, blocks
 from torch import nn
 
 import lightning_swarm
-from lightning_swarm import compression
+from lightning_swarm import compression, discovery
 from lightning_swarm import strategy as strategy_module
 from lightning_swarm.client.routing import PeerLoad, RouterStats, StageRouter
 from lightning_swarm.discovery import PeerRecord, PeerState
@@ -121,10 +121,11 @@ def test_target_batch_size_defaults_to_the_train_dataloaders_batch_size(given, m
     """Without target_batch_size, a peer starts from its batch size, read when the swarm strategy sets up (as it
     wraps the local optimizer) from its datamodule's ``batch_size`` or else from its train DataLoader, however
     ``fit`` got it. The Trainer runs the swarm strategy; only its network (the node, cutting and serving the
-    pipeline, hivemind's optimizer) is left out."""
+    pipeline, hivemind's optimizer) is left out. The local optimizer's rounds expect every trainer of the run, read
+    under its records' keys."""
 
-    def swarm_optimizer(dht, prefix, optimizer, target, *timing, delayed=False):
-        raise _Wrapped(target)
+    def swarm_optimizer(dht, prefix, optimizer, target, *timing, delayed=False, trainer_keys=None):
+        raise _Wrapped(target, trainer_keys)
 
     monkeypatch.setattr(strategy_module, "SwarmNode", _NoNetwork)
     monkeypatch.setattr(SwarmStrategy, "_partition_and_serve", lambda self, trainer, fitting: None)
@@ -142,7 +143,9 @@ def test_target_batch_size_defaults_to_the_train_dataloaders_batch_size(given, m
             )
             trainer.fit(module, datamodule=datamodule)
     expected = {"module": 3, "fit": 5, "datamodule": 6}[given]
-    assert wrapped.value.args == (expected,) and trainer.strategy.target_batch_size == expected
+    target, trainer_keys = wrapped.value.args
+    assert target == expected and trainer.strategy.target_batch_size == expected
+    assert trainer_keys == discovery.record_keys(trainer.strategy.run_id, trainer.strategy.num_stages) != {}
 
 
 def test_router_stats_are_a_copy_of_the_routers_counters():
