@@ -343,17 +343,21 @@ def trace_figures(records: Any, start: float, end: float) -> dict:
         for name, parts in sorted(figures.items())
     }
     for proc, name in [*((k, f"stage {k} step") for k in range(STAGES)), (emu.TRAINER, "trainer step")]:
-        steps = inside[(inside["kind"] == emu.STEP) & (inside["proc"] == proc)]
-        if proc != emu.TRAINER:  # a stage steps after handing its last gradients over, so maybe after the trainer's
-            # batch began or ended: its timed steps are those from its first timed request to its first request after
-            served = records[(records["kind"] == emu.SERVE) & (records["proc"] == proc)]["t0"]
-            first, after = served[served >= start], served[served > end]
-            since, until = (first.min() if len(first) else start), (after.min() if len(after) else float("inf"))
-            steps = records[(records["kind"] == emu.STEP) & (records["proc"] == proc)]
-            steps = steps[(steps["t0"] >= since) & (steps["t0"] < until)]
+        since, until = (start, end) if proc == emu.TRAINER else served_span(records, proc, start, end)
+        steps = records[(records["kind"] == emu.STEP) & (records["proc"] == proc)]
+        steps = steps[(steps["t0"] >= since) & (steps["t0"] <= until)]
         if len(steps):
             out[name] = {"count": len(steps), "step": 1000 * statistics.median(steps["t1"] - steps["t0"])}
     return out
+
+
+def served_span(records: Any, proc: int, start: float, end: float) -> tuple[float, float]:
+    """The span of a stage's timed steps: a stage steps after handing its last gradients over, so maybe after the
+    trainer's batch began or ended; its timed steps are those from its first request served at ``start`` or later to
+    its first one after ``end``."""
+    served = records[(records["kind"] == emu.SERVE) & (records["proc"] == proc)]["t0"]
+    first, after = served[served >= start], served[served > end]
+    return (first.min() if len(first) else start), (after.min() if len(after) else float("inf"))
 
 
 def loss_gap(swarm: list[float], reference: list[float]) -> Optional[float]:

@@ -236,17 +236,7 @@ def test_the_partners_of_a_round_include_those_that_just_left_its_epoch():
 
         def peers(*records: tuple[int, int]) -> int:
             metadata = {
-                f"peer{i}": ValueWithExpiration(
-                    LocalTrainingProgress(
-                        peer_id=f"peer{i}".encode(),
-                        epoch=epoch,
-                        samples_accumulated=samples,
-                        samples_per_second=0.0,
-                        time=get_dht_time(),
-                        client_mode=False,
-                    ).dict(),
-                    get_dht_time() + 60,
-                )
+                f"peer{i}": ValueWithExpiration(progress(epoch, samples, f"peer{i}").dict(), get_dht_time() + 60)
                 for i, (epoch, samples) in enumerate(records)
             }
             return tracker._parse_swarm_progress_data(metadata).num_peers
@@ -279,7 +269,7 @@ def test_a_round_of_the_trainers_expects_every_trainer():
     try:
         for t in tracker, alone:
             t.local_progress = t.local_progress.copy(update=dict(epoch=3, samples_accumulated=4))
-            t._records = [progress(3, 16), progress(3, 0)]  # one partner's samples seen, another's not yet
+            t._records = [progress(3, 16, "a"), progress(3, 0, "b")]  # one partner's samples seen, another's not yet
         trainers.count = 4
         assert alone.round_size(unseen=False) == 2
         assert tracker.round_size(unseen=False) == tracker.round_size(unseen=True) == 4
@@ -291,10 +281,10 @@ def test_a_round_of_the_trainers_expects_every_trainer():
         node.shutdown()
 
 
-def progress(epoch: int, samples: int, peer: bytes = b"partner") -> LocalTrainingProgress:
+def progress(epoch: int, samples: int, peer: str) -> LocalTrainingProgress:
     """A partner's progress record as a tracker fetches it."""
     return LocalTrainingProgress(
-        peer_id=peer + bytes([epoch, samples]),
+        peer_id=peer.encode(),
         epoch=epoch,
         samples_accumulated=samples,
         samples_per_second=0.0,
