@@ -1,13 +1,14 @@
 """All-reduce rounds of a stage's peers in a swarm where nobody leaves: how many fail, and how long steps wait.
 
-    python benchmarks/rounds.py            # 2 and 4 peers per stage, ~2 minutes on a 2-core CPU
-    python benchmarks/rounds.py --smoke    # 2 peers, a few steps (the CI smoke)
+    python benchmarks/rounds.py            # 2 and 4 peers per stage, synchronous and delayed updates, ~4 minutes
+    python benchmarks/rounds.py --smoke    # 2 peers, synchronous, a few steps (the CI smoke)
 
 Each peer is a process with its own DHT node and the stage optimizer (``swarm_optimizer``: ``SwarmOptimizer`` with
 its bounded gradient averager and state averager), as a stage server runs it, on a small model. It receives
 microbatches the way a stage server does, at random: it waits an exponential time (the compute of a request, mean
 ``--interval``), sets gradients and calls ``step(batch_size=...)``. The swarm steps once per ``--target`` samples of
-all peers together. Reported per configuration, summed over the peers:
+all peers together, with synchronous updates, then with delayed ones (``delayed=True``: the round and the step run in
+the background, the parameters one step stale). Reported per configuration, summed over the peers:
 
 - gradient rounds, those that failed (the peer stepped alone), and their share;
 - the share of training time spent waiting on failed rounds (``failed_round_seconds`` over the peers' time);
@@ -41,9 +42,9 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.optimizer import swarm_optimizer
 
-index, steps, interval, target, matchmaking, timeout = sys.argv[1:7]
-index, steps, interval, target = int(index), int(steps), float(interval), int(target)
-node = SwarmNode(sys.argv[7:]).start()
+index, steps, interval, target, matchmaking, timeout, delayed = sys.argv[1:8]
+index, steps, interval, target, delayed = int(index), int(steps), float(interval), int(target), delayed == "delayed"
+node = SwarmNode(sys.argv[8:]).start()
 print(" ".join(map(str, node.visible_maddrs())), flush=True)
 torch.manual_seed(0)  # every peer starts from the same parameters, as after a download
 model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
@@ -53,9 +54,8 @@ def counting(self, *args, averaging_round=False, **kwargs):
     state_rounds.append(averaging_round)
     return averaging(self, *args, averaging_round=averaging_round, **kwargs)
 TrainingStateAverager.step = counting
-optimizer = swarm_optimizer(
-    node.dht, "rounds_bench", torch.optim.AdamW(model.parameters(), lr=1e-3), target, float(matchmaking), float(timeout)
-)
+user = torch.optim.AdamW(model.parameters(), lr=1e-3)
+optimizer = swarm_optimizer(node.dht, "rounds_bench", user, target, float(matchmaking), float(timeout), delayed=delayed)
 parent = os.getppid()
 sys.stdin.readline()  # all peers are up: go
 random.seed(index)
@@ -73,6 +73,7 @@ while optimizer.local_epoch < steps:
     optimizer.zero_grad()
     if optimizer.local_epoch > epoch:
         held += time.monotonic() - started
+optimizer.apply_finished_update(wait=True)
 seconds = time.monotonic() - began
 digest = float(sum(p.detach().double().sum() for p in model.parameters()))
 print(json.dumps(dict(
@@ -86,14 +87,16 @@ node.shutdown()
 """.replace("BATCH", str(BATCH))
 
 
-def run(peers: int, steps: int, interval: float, target: int, matchmaking: float, timeout: float) -> dict:
+def run(
+    peers: int, steps: int, interval: float, target: int, matchmaking: float, timeout: float, delayed: bool = False
+) -> dict:
     """One swarm of ``peers`` stage peers taking ``steps`` steps together; their reports and a summary."""
     procs, first = [], []
     try:
         for index in range(peers):
             proc = subprocess.Popen(
                 [sys.executable, "-c", PEER, str(index), str(steps), str(interval), str(target)]
-                + [str(matchmaking), str(timeout), *first],
+                + [str(matchmaking), str(timeout), "delayed" if delayed else "synchronous", *first],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -123,6 +126,7 @@ def run(peers: int, steps: int, interval: float, target: int, matchmaking: float
     seconds = sum(r["seconds"] for r in reports)
     return dict(
         peers=peers,
+        delayed=delayed,
         steps=steps,
         interval=interval,
         target=target,
@@ -141,6 +145,7 @@ def run(peers: int, steps: int, interval: float, target: int, matchmaking: float
 
 
 HEADER = [
+    "updates",
     "peers per stage",
     "steps",
     "rounds",
@@ -155,6 +160,7 @@ HEADER = [
 def row(r: dict) -> list[str]:
     """A configuration's line of the results table."""
     return [
+        "delayed" if r.get("delayed") else "synchronous",
         str(r["peers"]),
         str(r["steps"]),
         str(r["rounds"]),
@@ -175,11 +181,11 @@ def main() -> None:
     parser.add_argument("--matchmaking", type=float, default=1.0, help="matchmaking_time (s)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "RESULTS.md")
     args = parser.parse_args()
-    configs = [2] if args.smoke else [2, 4]
+    configs = [(False, 2)] if args.smoke else [(delayed, peers) for delayed in (False, True) for peers in (2, 4)]
     steps = 8 if args.smoke else args.steps
     rows = []
-    for peers in configs:
-        result = run(peers, steps, args.interval, TARGET, args.matchmaking, 5.0)
+    for delayed, peers in configs:
+        result = run(peers, steps, args.interval, TARGET, args.matchmaking, 5.0, delayed)
         print(" | ".join(row(result)), flush=True)
         rows.append(result)
     save_data("rounds", rows, args.out.parent / "results")

@@ -208,9 +208,9 @@ class CountingProgressTracker(ProgressTracker):
     wait for an all-reduce partner (up to the averaging timeout) that has nothing to contribute and never comes.
     Here every peer reports a rate of zero, so the swarm steps on samples actually processed; and the peers of
     an all-reduce are this one, those with samples in its epoch, and those that just left that epoch (their round
-    may still be looking for this peer); with delayed updates, when none of those is seen, the peers at its epoch
-    or one ahead (:meth:`round_size`). Peers left out catch up by downloading the state
-    (``SwarmOptimizer.follow_swarm``).
+    may still be looking for this peer); with delayed updates, when none of those is seen, the peers within one
+    epoch of its own (:meth:`round_size`), which join it with their samples or none (:meth:`awaited_without_samples`).
+    Peers left out catch up by downloading the state (``SwarmOptimizer.follow_swarm``).
 
     Given a :class:`PerTrainerBatch` target, its ``target_batch_size`` is that times the peers training (``trainers``,
     by default read from the run's records in its DHT): read once as it starts, then again as it refreshes the
@@ -272,10 +272,12 @@ class CountingProgressTracker(ProgressTracker):
 
     def round_size(self, unseen: bool) -> int:
         """The peers the round at the end of this one's epoch expects, itself included: :meth:`group_size`; with
-        ``unseen`` (delayed updates), when none of them showed samples of this epoch, the peers at its epoch or one
-        ahead all the same (:meth:`peers_at_epoch`). Their samples may not have been fetched yet (a refresh is up to
+        ``unseen`` (delayed updates), when none of them showed samples of this epoch, the peers within one epoch of
+        this one all the same (:meth:`peers_at_epoch`). Their samples may not have been fetched yet (a refresh is up to
         half a matchmaking time old): stepping alone put them into a round one epoch behind, and one stage step in
-        eight was taken so. A partner with no samples does not come, and the round fails in the background.
+        eight was taken so. One seen an epoch behind may have stepped into this epoch since its record: two partners
+        ending an epoch together each saw the other behind, and one stepped alone while the other's round waited for
+        it. A partner with no samples joins with none (:meth:`awaited_without_samples`).
 
         With ``expect_trainers``, at least every peer training (as last read): each trainer learns of the epoch's end
         at its next step, after its batch, and the trainers' progress records, fetched every half matchmaking time,
@@ -286,12 +288,23 @@ class CountingProgressTracker(ProgressTracker):
         size = self.group_size()
         if self.expect_trainers:
             size = max(size, self.trainers.count or 0)
-        return self.peers_at_epoch() if unseen and size == 1 else size
+        return self.peers_at_epoch(behind=True) if unseen and size == 1 else size
 
-    def peers_at_epoch(self) -> int:
-        """The peers at this one's epoch, or one ahead, with samples or not, itself included (as last fetched)."""
+    def peers_at_epoch(self, behind: bool = False) -> int:
+        """The peers at this one's epoch, or one ahead (``behind``: or one behind), with samples or not, itself included
+        (as last fetched)."""
         mine = self.local_progress.epoch
-        return 1 + sum(1 for e in self._records if e.epoch in (mine, mine + 1))
+        near = (mine - 1, mine, mine + 1) if behind else (mine, mine + 1)
+        return 1 + sum(1 for e in self._records if e.epoch in near)
+
+    def awaited_without_samples(self) -> bool:
+        """Whether a partner's round of this peer's epoch, still running, counts on this peer though it has no samples:
+        a partner is one epoch ahead and none at this epoch showed samples (as last fetched), so that partner's round
+        expected every peer at its epoch (:meth:`round_size`)."""
+        mine = self.local_progress.epoch
+        if self.local_progress.samples_accumulated or self.global_epoch != mine + 1:
+            return False
+        return not any(e.epoch == mine and e.samples_accumulated for e in self._records)
 
     @property
     def ready_to_update_epoch(self) -> bool:
@@ -602,13 +615,15 @@ class SwarmOptimizer(hivemind.Optimizer):
         super()._average_gradients_and_load_into_optimizer(control)
         if assembled and control.cancelled():
             return  # cancelled by this peer catching up with the others: not a failed round
-        if assembled and control.done() and control.exception() is None:
+        if assembled and control.done() and control.exception() is None and not self._no_weight_in_group(control):
             size = len(control.result())
             self.allreduce_sizes[size] += 1
             if size < self._expected_group:  # the partners left out stepped alone: average the parameters
                 self._average_state_with_partners()
             return
         self._average_state_with_partners()  # this peer steps alone: its parameters leave the others'
+        if control.weight == 0:  # it joined with no gradients (_awaited): a partner's state is the right one
+            self._out_of_sync = True
         if not control.done():  # hivemind stopped waiting for it (averaging timeout): nobody will use it
             control.cancel()
         self.failed_rounds += 1
@@ -616,6 +631,18 @@ class SwarmOptimizer(hivemind.Optimizer):
             self._failed_at = time.monotonic()
         else:  # this peer waited for it, from its trigger
             self.failed_round_seconds += time.monotonic() - triggered
+
+    def _no_weight_in_group(self, control: Any) -> bool:
+        """Whether the round ``control``, joined with no weight, found only peers without samples too: hivemind's
+        average is then 0 / 0, and its NaNs are set to zero here (this peer then downloads its partners' state)."""
+        if control.weight != 0:
+            return False
+        with self.grad_averager.get_tensors() as averaged:
+            if all(bool(torch.isfinite(tensor).all()) for tensor in averaged):
+                return False
+            for tensor in averaged:
+                tensor.zero_()
+        return True
 
     def _average_state_with_partners(self) -> None:
         """Average the parameters (and optimizer state) after this step, in a round that begins once the partners of
@@ -694,13 +721,22 @@ class SwarmOptimizer(hivemind.Optimizer):
         if self._out_of_sync:
             self._out_of_sync = False  # one download: it may fail, or bring an older state (then it is kept)
             return True
-        if self.delay_grad_averaging and self.grad_averager.local_samples_accumulated > 0:
+        if self.delay_grad_averaging and (self.grad_averager.local_samples_accumulated > 0 or self._awaited()):
             # a peer's new epoch shows as soon as it schedules its step, while that step's all-reduce still
-            # assembles in the background: a peer one epoch behind with gradients joins it (hivemind's rule)
+            # assembles in the background: a peer one epoch behind with gradients joins it (hivemind's rule), and so
+            # does one without, that the round counts on (its gradients, if a backward brings some now, or none)
             return self.local_epoch < self.tracker.global_epoch - 1
         # synchronous: the others' round is over by the time their new epoch shows; stepping with this peer's own
         # gradients would fork its parameters from theirs
         return self.local_epoch < self.tracker.global_epoch
+
+    def _awaited(self) -> bool:
+        """Delayed updates: whether a partner's round of this peer's epoch, still running, counts on this peer, which
+        holds no samples (:meth:`CountingProgressTracker.awaited_without_samples`). Downloading the state instead (it
+        is refused while that partner's step runs), this peer let the round wait for it in vain and fail; joining it,
+        with the gradients of a backward that comes now or with none (zero weight), it steps with its partners'
+        gradients, as they do."""
+        return self.delay_grad_averaging and self.tracker.awaited_without_samples()
 
     @property
     def rounds(self) -> int:
@@ -745,12 +781,12 @@ class SwarmOptimizer(hivemind.Optimizer):
         idle would keep serving parameters several steps old, or miss the all-reduce its accumulated samples were
         counted in (its partners waiting for it until they time out). So: download the current state once the
         others have stepped without this peer, or join the epoch transition they are ready for if this peer has
-        gradients to contribute.
+        gradients to contribute, or, with delayed updates, if their round counts on it (:meth:`_awaited`).
         """
         self.apply_finished_update()
         if self._should_load_state_from_peers():
             self.load_state_from_peers()
-        elif self.grad_averager.local_samples_accumulated > 0 and self.tracker.ready_to_update_epoch:
+        elif self.tracker.ready_to_update_epoch and (self.grad_averager.local_samples_accumulated or self._awaited()):
             # what step() does once ready, without new samples (a stale pre-scheduled round would make hivemind
             # skip the gradient all-reduce and step on whatever .grad holds)
             self._maybe_schedule_gradient_averaging()
