@@ -413,6 +413,25 @@ def test_an_idle_partner_joins_the_round_that_counts_on_it_and_steps_as_the_othe
         node.shutdown()
 
 
+class JoinedWithoutWeight:
+    """What the control of a round that this peer joined with no weight reads once it is over: done, two peers."""
+
+    triggered = began_allreduce = True
+    weight = 0
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def exception(self) -> None:
+        return None
+
+    def result(self, timeout: float | None = None) -> dict:
+        return {b"a": None, b"b": None}
+
+
 def test_a_round_of_peers_all_without_weight_averages_to_nan_and_a_joiner_then_steps_on_no_gradient():
     """hivemind divides each part's weighted sum by the weights' sum: a group of peers that all came without samples
     (two idle peers that missed the round they meant to join, and met) gets 0 / 0. A peer that joined with no
@@ -422,8 +441,15 @@ def test_a_round_of_peers_all_without_weight_averages_to_nan_and_a_joiner_then_s
     nodes = [first, SwarmNode(first.visible_maddrs()).start()]
     parameters = [torch.nn.Parameter(torch.zeros(4)) for _ in nodes]
     averagers = [
-        BoundedGradientAverager([p], dht=node.dht, prefix="no_weight", min_matchmaking_time=MATCHMAKING,
-                                request_timeout=GRACE, target_group_size=2, start=True)
+        BoundedGradientAverager(
+            [p],
+            dht=node.dht,
+            prefix="no_weight",
+            min_matchmaking_time=MATCHMAKING,
+            request_timeout=GRACE,
+            target_group_size=2,
+            start=True,
+        )
         for p, node in zip(parameters, nodes)
     ]
     try:
@@ -440,26 +466,10 @@ def test_a_round_of_peers_all_without_weight_averages_to_nan_and_a_joiner_then_s
     node = SwarmNode().start()
     model, optimizer = _optimizer(node, 0, "no_weight_joiner", delayed=True)
     try:
-        class Joined:  # what such a round's control reads: done, two peers, no weight
-            triggered = began_allreduce = True
-            weight = 0
-
-            def done(self):
-                return True
-
-            def cancelled(self):
-                return False
-
-            def exception(self):
-                return None
-
-            def result(self, timeout=None):
-                return {b"a": None, b"b": None}
-
         with optimizer.grad_averager.get_tensors() as averaged:
             for tensor in averaged:
                 tensor.fill_(float("nan"))
-        optimizer._average_gradients_and_load_into_optimizer(Joined())
+        optimizer._average_gradients_and_load_into_optimizer(JoinedWithoutWeight())
         with optimizer.grad_averager.get_tensors() as averaged:
             assert all(torch.equal(tensor, torch.zeros_like(tensor)) for tensor in averaged)
         assert (optimizer.failed_rounds, dict(optimizer.allreduce_sizes)) == (1, {})
