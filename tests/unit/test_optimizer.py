@@ -103,30 +103,39 @@ def beside_an_absent_partner(
     """A model and its optimizer whose partner holds 4 samples of the target of 8 but never joins a round (it left,
     or is stuck); the model's gradients are set, for a step of 4 samples. (The partner is a process of its own, as
     hivemind's progress records of one process share a key.)"""
+    with beside_a_partner_process(ABSENT_PEER) as (node, absent):
+        assert absent.stdout.readline().strip() == "stepped"
+        model, optimizer = _optimizer(node, 0, "round_test", averaging_timeout=averaging_timeout, delayed=delayed)
+        try:
+            deadline = time.monotonic() + 30
+            while optimizer.tracker.global_progress.samples_accumulated < 4:
+                assert time.monotonic() < deadline, "this peer never saw the other's samples"
+                time.sleep(0.1)
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            yield model, optimizer
+        finally:
+            optimizer.shutdown()
+
+
+@contextmanager
+def beside_a_partner_process(script: str, *args: str) -> Iterator[tuple[SwarmNode, subprocess.Popen]]:
+    """This process's DHT node, and a partner peer running ``script`` (its arguments: ``args``, then this node's
+    addresses) in a process of its own, as hivemind's progress records of one process share a key; the partner is
+    killed with its node's daemons on the way out, before this node shuts down."""
     node = SwarmNode().start()
-    absent = subprocess.Popen(
-        [sys.executable, "-c", ABSENT_PEER, *map(str, node.visible_maddrs())],
+    partner = subprocess.Popen(
+        [sys.executable, "-c", script, *args, *map(str, node.visible_maddrs())],
         stdout=subprocess.PIPE,
         text=True,
         cwd=Path(__file__).parent,
         start_new_session=True,
     )
-    optimizer = None
     try:
-        assert absent.stdout.readline().strip() == "stepped"
-        model, optimizer = _optimizer(node, 0, "round_test", averaging_timeout=averaging_timeout, delayed=delayed)
-        deadline = time.monotonic() + 30
-        while optimizer.tracker.global_progress.samples_accumulated < 4:
-            assert time.monotonic() < deadline, "this peer never saw the other's samples"
-            time.sleep(0.1)
-        for p in model.parameters():
-            p.grad = torch.ones_like(p)
-        yield model, optimizer
+        yield node, partner
     finally:
-        os.killpg(absent.pid, signal.SIGKILL)  # with its node's daemons
-        absent.wait()
-        if optimizer is not None:
-            optimizer.shutdown()
+        os.killpg(partner.pid, signal.SIGKILL)
+        partner.wait()
         node.shutdown()
 
 
@@ -370,47 +379,35 @@ def test_an_idle_partner_joins_the_round_that_counts_on_it_and_steps_as_the_othe
     11 failed stage rounds in ``benchmarks/default_target.py``); a backward coming then was thrown away for that
     download. It now joins that round, with no weight (idle) or with that backward's gradients: the round succeeds,
     and both step with the same averaged gradients, to the same parameters, with no download."""
-    node = SwarmNode().start()
-    idle = subprocess.Popen(
-        [sys.executable, "-c", IDLE_PEER, str(tmp_path / "idle.pt"), then, *map(str, node.visible_maddrs())],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).parent,
-        start_new_session=True,
-    )
-    optimizer = None
-    try:
+    with beside_a_partner_process(IDLE_PEER, str(tmp_path / "idle.pt"), then) as (node, idle):
         assert idle.stdout.readline().strip() == "ready"
         model, optimizer = _optimizer(node, 0, "idle_partner", delayed=True)  # the same initial parameters
-        model(torch.randn(4, 8)).square().mean().backward()
-        optimizer.step(batch_size=4)  # the other half: the first epoch ends once each sees the other's samples
-        deadline = time.monotonic() + 30
-        while optimizer.local_epoch < 1:
-            assert time.monotonic() < deadline, "the first epoch never ended"
-            optimizer.follow_swarm()
-            time.sleep(0.05)
-        optimizer.apply_finished_update(wait=True)
-        while not any(e.epoch == 1 for e in optimizer.tracker._records):  # the partner's new epoch, no samples
-            assert time.monotonic() < deadline, "the partner's record of its new epoch never came"
-            time.sleep(0.05)
-        model(torch.randn(8, 8)).square().mean().backward()
-        optimizer.step(batch_size=8)  # the whole second epoch: its round opens in the background
-        optimizer.apply_finished_update(wait=True)
-        assert idle.stdout.readline().strip() == "done"
-        joined = torch.load(tmp_path / "idle.pt")
-        assert (dict(optimizer.allreduce_sizes), optimizer.failed_rounds) == ({2: 2}, 0)
-        assert joined["rounds"] == {2: 2} and not joined["downloaded"]
-        for name, value in model.state_dict().items():
-            if then == "idle":  # weights 8 and 0: the average is exactly this peer's gradient, on both sides
-                assert torch.equal(joined["state"][name], value), name
-            else:  # hivemind's all-reduce: equal to float rounding
-                assert torch.allclose(joined["state"][name], value, rtol=0, atol=1e-6), name
-    finally:
-        os.killpg(idle.pid, signal.SIGKILL)  # with its node's daemons
-        idle.wait()
-        if optimizer is not None:
+        try:
+            model(torch.randn(4, 8)).square().mean().backward()
+            optimizer.step(batch_size=4)  # the other half: the first epoch ends once each sees the other's samples
+            deadline = time.monotonic() + 30
+            while optimizer.local_epoch < 1:
+                assert time.monotonic() < deadline, "the first epoch never ended"
+                optimizer.follow_swarm()
+                time.sleep(0.05)
+            optimizer.apply_finished_update(wait=True)
+            while not any(e.epoch == 1 for e in optimizer.tracker._records):  # the partner's new epoch, no samples
+                assert time.monotonic() < deadline, "the partner's record of its new epoch never came"
+                time.sleep(0.05)
+            model(torch.randn(8, 8)).square().mean().backward()
+            optimizer.step(batch_size=8)  # the whole second epoch: its round opens in the background
+            optimizer.apply_finished_update(wait=True)
+            assert idle.stdout.readline().strip() == "done"
+            joined = torch.load(tmp_path / "idle.pt")
+            assert (dict(optimizer.allreduce_sizes), optimizer.failed_rounds) == ({2: 2}, 0)
+            assert joined["rounds"] == {2: 2} and not joined["downloaded"]
+            for name, value in model.state_dict().items():
+                if then == "idle":  # weights 8 and 0: the average is exactly this peer's gradient, on both sides
+                    assert torch.equal(joined["state"][name], value), name
+                else:  # hivemind's all-reduce: equal to float rounding
+                    assert torch.allclose(joined["state"][name], value, rtol=0, atol=1e-6), name
+        finally:
             optimizer.shutdown()
-        node.shutdown()
 
 
 class JoinedWithoutWeight:
