@@ -93,7 +93,9 @@ def test_a_throttled_peer_gets_work_in_proportion_to_its_throughput(swarm, tmp_p
     """Two peers serve stage 0, one throttled to a third of its speed: the routers send it a share of the
     microbatches that matches its share of the stage's throughput (as the peers published it side by side, averaged
     over the run: on a shared machine it moves), within three standard deviations of that many random picks; far from
-    the half that picking blindly would give it (the throttle shows in that share: well below half)."""
+    the half that picking blindly would give it (the throttle shows in that share: well below half). A first, short
+    trainer warms both peers up, so that the measured trainer never picks between peers of no published throughput
+    (each counts as the fastest then: on a loaded machine, its first picks were blind for seconds)."""
     model = ["--d-model", "128", "--n-layer", "4", "--n-head", "4", "--block-size", "64", "--batch-size", "16"]
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_REBALANCE_PERIOD": "0", "SWARM_TARGET_BATCH_SIZE": "64"}
     env["SWARM_MICROBATCHES"] = "1"  # one pick at a time: concurrent picks see each other's calls in flight
@@ -101,19 +103,31 @@ def test_a_throttled_peer_gets_work_in_proportion_to_its_throughput(swarm, tmp_p
     swarm.start("fast", model, env={**env, "SWARM_STAGE": "0"})
     swarm.start("slow", model, env={**env, "SWARM_STAGE": "0", "SWARM_THROTTLE": "3"})
     swarm.start("last", model, env={**env, "SWARM_STAGE": "1"})
-    record = tmp_path / "trainer.json"
-    args = [*model, "--max-steps", "60", "--history", str(record)]
-    trainer = swarm.start("trainer", args, env={**env, "SWARM_ROLE": "drive"})
     fast, slow = peer_id(swarm.peers["fast"]), peer_id(swarm.peers["slow"])
     node = SwarmNode(initial_peers=swarm.peers["last"].addresses()).start()
+
+    def slow_share() -> float | None:
+        """The throttled peer's share of the stage's published throughput; None until both have published one."""
+        records = discovery.fetch_stage(node, swarm.run_id, 0)
+        if slow in records and fast in records and records[slow].throughput and records[fast].throughput:
+            return records[slow].throughput / (records[slow].throughput + records[fast].throughput)
+        return None
+
     shares = []
     try:
         deadline = time.monotonic() + 900  # only stops a test that hangs
+        warm = swarm.start("warm", [*model, "--max-steps", "8"], env={**env, "SWARM_ROLE": "drive"})
+        assert swarm.wait("warm", timeout=600) == 0, warm.log()[-3000:]
+        while slow_share() is None:
+            assert time.monotonic() < deadline, "the peers never published a throughput"
+            time.sleep(0.5)
+        record = tmp_path / "trainer.json"
+        args = [*model, "--max-steps", "60", "--history", str(record)]
+        trainer = swarm.start("trainer", args, env={**env, "SWARM_ROLE": "drive"})
         while trainer.alive():
             assert time.monotonic() < deadline, trainer.log()[-3000:]
-            records = discovery.fetch_stage(node, swarm.run_id, 0)
-            if slow in records and fast in records and records[slow].throughput and records[fast].throughput:
-                shares.append(records[slow].throughput / (records[slow].throughput + records[fast].throughput))
+            if (share := slow_share()) is not None:
+                shares.append(share)
             time.sleep(1.0)
     finally:
         node.shutdown()
