@@ -32,6 +32,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -249,6 +250,16 @@ class StageRouter:
             with self._lock:
                 self._refreshing.discard(stage)
 
+    def _left(self, stage: int, peer_id: str) -> bool:
+        """Whether ``peer_id`` is this peer, which does not serve ``stage`` (any more: the record of the stage it
+        moved from outlives the move by up to its time to live, and a call to itself over libp2p fails)."""
+        server = self.local_server
+        return peer_id == self._own_id and (server is None or server.stage != stage)
+
+    @cached_property
+    def _own_id(self) -> Optional[str]:
+        return str(self.node.peer_id) if self.node is not None else None
+
     def choose(self, stage: int, batch: int, exclude: frozenset = frozenset()) -> Optional[str]:
         """A serving, unbanned peer of ``stage`` for ``batch`` more samples (see the module docstring)."""
         self._refresh_behind(stage)
@@ -257,7 +268,10 @@ class StageRouter:
             usable = [
                 (peer_id, load)
                 for peer_id, load in self._peers[stage].items()
-                if peer_id not in exclude and load.banned_until <= now and load.record.state == PeerState.SERVING
+                if peer_id not in exclude
+                and load.banned_until <= now
+                and load.record.state == PeerState.SERVING
+                and not self._left(stage, peer_id)
             ]
             fastest = max((load.record.throughput for _, load in usable), default=0.0) or DEFAULT_THROUGHPUT
             weights = [1.0 / load.time_to_finish(batch, load.record.throughput or fastest) for _, load in usable]
@@ -290,7 +304,7 @@ class StageRouter:
         each attempt waits at most what is left of it, and none starts after it (:class:`TimeoutError`).
         """
         wait_timeout = self.stage_wait_timeout if wait_timeout is None else wait_timeout
-        if prefer is not None and self._banned(stage, prefer):
+        if prefer is not None and (self._banned(stage, prefer) or self._left(stage, prefer)):
             prefer = None
         tried: list[str] = []
         last_error: Optional[BaseException] = None

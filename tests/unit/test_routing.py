@@ -43,6 +43,26 @@ def test_stochastic_wiring_shares_work_by_throughput_and_load():
     assert _router_with({"banned": banned}).choose(0, batch=8) is None
 
 
+def test_a_peer_never_chooses_itself_for_a_stage_it_moved_away_from():
+    """The record of the stage a peer moved from outlives the move (its time to live): other routers find out from a
+    failed call, but this peer's own call to itself went over libp2p and failed ("dial to self attempted"), a
+    failover at every move. It is chosen for the stage its own server serves, and never for another."""
+    from types import SimpleNamespace
+
+    def serving() -> PeerLoad:
+        return PeerLoad(PeerRecord("p", 0, PeerState.SERVING, 100.0, 0))
+
+    router = StageRouter(node=SimpleNamespace(peer_id="me"), run_id="unit", num_stages=2, refresh_period=float("inf"))
+    router._peers = [{"me": serving(), "other": serving()}, {"me": serving()}]
+    router.local_server = SimpleNamespace(stage=1)  # moved from stage 0 to stage 1
+    assert {router.choose(0, batch=8) for _ in range(200)} == {"other"}
+    assert router.choose(1, batch=8) == "me"
+    router.local_server = None  # left serving altogether
+    assert router.choose(1, batch=8) is None
+    router.local_server = SimpleNamespace(stage=0)
+    assert {router.choose(0, batch=8) for _ in range(200)} == {"me", "other"}
+
+
 def test_stale_records_are_read_again_in_the_background_while_microbatches_go_on(monkeypatch):
     """Only the first read of a stage's records is waited for: a stale one is refreshed on another thread, and
     choosing a peer meanwhile takes the records at hand instead of waiting for the DHT."""
