@@ -32,12 +32,14 @@ import logging
 import multiprocessing
 import time
 from collections import Counter
+from concurrent.futures import InvalidStateError
 from functools import partial
 from typing import Any, Iterable, Mapping, Optional
 
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.dht import DHT
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
@@ -338,6 +340,16 @@ class _NotesDownloads(DecentralizedAverager):
         return loaded
 
 
+def cancel_round(control: StepControl) -> None:
+    """Cancel an averaging round, unless it was cancelled before: hivemind's ``StepControl.cancel`` sends the cancel
+    through a future of the averager's that can be set once, and a second call raises ``InvalidStateError`` (a peer
+    leaving with SIGTERM exited 1 on it, its shutdown cancelling a round the optimizer had given up on)."""
+    try:
+        control.cancel()
+    except InvalidStateError:
+        pass
+
+
 class _BoundedMatchmaking(DecentralizedAverager):
     """An averager whose rounds stop looking for a group shortly after their scheduled start.
 
@@ -419,7 +431,7 @@ class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaki
         deadline = time.monotonic() + self.window + self.grace
         while not (control.done() or control.began_allreduce):
             if time.monotonic() >= deadline:
-                control.cancel()
+                cancel_round(control)
                 return False
             time.sleep(0.01)
         return True
@@ -625,7 +637,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         if control.weight == 0:  # it joined with no gradients (_awaited): a partner's state is the right one
             self._out_of_sync = True
         if not control.done():  # hivemind stopped waiting for it (averaging timeout): nobody will use it
-            control.cancel()
+            cancel_round(control)
         self.failed_rounds += 1
         if self.delay_grad_averaging:  # a background round: it holds up only a step that waits for it
             self._failed_at = time.monotonic()
@@ -664,9 +676,13 @@ class SwarmOptimizer(hivemind.Optimizer):
             self.failed_round_seconds += max(0.0, failed_at - began)
 
     def shutdown(self) -> None:
-        if self.scheduled_grads is not None and self.scheduled_grads.done():
-            # a round given up on may still read "looking for a group" in the averager: hivemind would cancel it again
-            self.scheduled_grads = None
+        # hivemind cancels the rounds still looking for a group; one given up on already (cancelled, or over) may
+        # still read so, and a second cancel raises: cancelled here, once, and then left out of hivemind's shutdown
+        for name in ("scheduled_grads", "scheduled_state"):
+            control = getattr(self, name)
+            if control is not None and (control.done() or control.stage == AveragingStage.LOOKING_FOR_GROUP):
+                cancel_round(control)
+                setattr(self, name, None)
         super().shutdown()
 
     def _tag_along_with_zero_weight(self, control: Any) -> None:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import InvalidStateError
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -18,6 +19,7 @@ from typing import Iterator
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage
 from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
@@ -28,6 +30,7 @@ from lightning_swarm.optimizer import (
     StepPace,
     SwarmOptimizer,
     TrainerCount,
+    cancel_round,
     swarm_optimizer,
 )
 
@@ -290,6 +293,31 @@ def test_a_round_of_the_trainers_expects_every_trainer():
         trainers.count = 1
         assert tracker.round_size(unseen=False) == 2
     finally:
+        node.shutdown()
+
+
+def test_a_peer_shuts_down_its_optimizer_with_a_round_it_gave_up_on_still_looking():
+    """hivemind's contract: a round's cancel can be sent once, a second raises ``InvalidStateError``. hivemind's
+    shutdown cancels every round still looking for a group; a round the optimizer had given up on (cancelled while
+    running, so not done) may still read so, and a peer leaving with SIGTERM exited 1 on that second cancel. Its
+    shutdown now cancels such a round once and leaves it out of hivemind's."""
+    node = SwarmNode().start()
+    model, optimizer = _optimizer(node, 0, "given_up")
+    try:
+        first = optimizer.grad_averager.schedule_step()
+        first.cancel()
+        with pytest.raises(InvalidStateError):
+            first.cancel()
+        cancel_round(first)  # quiet the second time
+
+        given_up = optimizer.grad_averager.schedule_step()
+        given_up.set_running_or_notify_cancel()  # a round running when the optimizer gave up on it: not done after
+        cancel_round(given_up)
+        given_up.stage = AveragingStage.LOOKING_FOR_GROUP  # as it read at the peer's shutdown in that run
+        assert not given_up.done()
+        optimizer.scheduled_grads = given_up
+    finally:
+        optimizer.shutdown()
         node.shutdown()
 
 
