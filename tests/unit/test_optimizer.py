@@ -333,6 +333,35 @@ def progress(epoch: int, samples: int, peer: str) -> LocalTrainingProgress:
     )
 
 
+@contextmanager
+def two_averagers(
+    prefix: str, parameters: list[torch.nn.Parameter], matchmaking: float = MATCHMAKING, **kwargs
+) -> Iterator[list[BoundedGradientAverager]]:
+    """Two gradient averagers, one per parameter, on two DHT nodes that know each other; shut down after."""
+    first = SwarmNode().start()
+    nodes = [first, SwarmNode(first.visible_maddrs()).start()]
+    averagers = []
+    try:
+        for parameter, node in zip(parameters, nodes):
+            averagers.append(
+                BoundedGradientAverager(
+                    [parameter],
+                    dht=node.dht,
+                    prefix=prefix,
+                    min_matchmaking_time=matchmaking,
+                    request_timeout=GRACE,
+                    start=True,
+                    **kwargs,
+                )
+            )
+        yield averagers
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for node in nodes:
+            node.shutdown()
+
+
 def test_a_pre_scheduled_round_triggered_late_still_meets_its_partner():
     """hivemind pre-schedules a gradient round when it estimates that the epoch ends within the matchmaking time; here
     one peer's estimate is early: its round is scheduled to start 1 s after it is made, and triggered only once its
@@ -340,21 +369,8 @@ def test_a_pre_scheduled_round_triggered_late_still_meets_its_partner():
     partner schedules and triggers its own. Bounded from its scheduled start, the early round failed before the
     epoch ended and its partner found nobody: both stepped alone. Left to the optimizer's bound, which starts at
     the trigger, the early round is still looking for its group then, and both average together."""
-    first = SwarmNode().start()
-    nodes = [first, SwarmNode(first.visible_maddrs()).start()]
-    averagers = [
-        BoundedGradientAverager(
-            [torch.nn.Parameter(torch.full((4,), float(i)))],
-            dht=node.dht,
-            prefix="late_trigger",
-            min_matchmaking_time=MATCHMAKING,
-            request_timeout=GRACE,
-            target_group_size=2,
-            start=True,
-        )
-        for i, node in enumerate(nodes)
-    ]
-    try:
+    parameters = [torch.nn.Parameter(torch.full((4,), float(i))) for i in range(2)]
+    with two_averagers("late_trigger", parameters, target_group_size=2) as averagers:
         early = averagers[0].schedule_step(timeout=60.0)
         late = early.scheduled_time + GRACE + 1.0  # past the bound the round had from its scheduled start
         while get_dht_time() < late:
@@ -364,11 +380,6 @@ def test_a_pre_scheduled_round_triggered_late_still_meets_its_partner():
         for control in (early, on_time):
             control.allow_allreduce()
         assert [len(control.result(timeout=60.0)) for control in (early, on_time)] == [2, 2]
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        for node in nodes:
-            node.shutdown()
 
 
 IDLE_PEER = """
@@ -462,31 +473,12 @@ def test_a_round_of_peers_all_without_weight_averages_to_nan_and_a_joiner_then_s
     (two idle peers that missed the round they meant to join, and met) gets 0 / 0. A peer that joined with no
     weight and got that sets its gradients to zero, counts a failed round, and downloads its partners' state next,
     instead of stepping its parameters to NaN."""
-    first = SwarmNode().start()
-    nodes = [first, SwarmNode(first.visible_maddrs()).start()]
-    parameters = [torch.nn.Parameter(torch.zeros(4)) for _ in nodes]
-    averagers = [
-        BoundedGradientAverager(
-            [p],
-            dht=node.dht,
-            prefix="no_weight",
-            min_matchmaking_time=MATCHMAKING,
-            request_timeout=GRACE,
-            target_group_size=2,
-            start=True,
-        )
-        for p, node in zip(parameters, nodes)
-    ]
-    try:
+    parameters = [torch.nn.Parameter(torch.zeros(4)) for _ in range(2)]
+    with two_averagers("no_weight", parameters, target_group_size=2) as averagers:
         controls = [averager.step(weight=0.0, wait=False) for averager in averagers]
         assert [len(control.result(timeout=30.0)) for control in controls] == [2, 2]
         with averagers[0].get_tensors() as (averaged,):
             assert torch.isnan(averaged).all()
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        for node in nodes:
-            node.shutdown()
 
     node = SwarmNode().start()
     model, optimizer = _optimizer(node, 0, "no_weight_joiner", delayed=True)
@@ -522,23 +514,10 @@ def test_a_round_expecting_its_partners_begins_as_soon_as_they_are_there():
     """Told the size of its group, a round begins its all-reduce once that many peers joined, without waiting out its
     matchmaking time (60 s here: the results come well within it); hivemind's leader waits it out even when every
     partner is there."""
-    first = SwarmNode().start()
-    nodes = [first, SwarmNode(first.visible_maddrs()).start()]
-    parameters = [torch.nn.Parameter(torch.zeros(4)) for _ in nodes]
+    parameters = [torch.nn.Parameter(torch.zeros(4)) for _ in range(2)]
     for i, parameter in enumerate(parameters):
         parameter.grad = torch.full((4,), float(i))  # what each averages
-    averagers = [
-        BoundedGradientAverager(
-            [parameter],
-            dht=node.dht,
-            prefix="expected_group",
-            min_matchmaking_time=60.0,
-            request_timeout=GRACE,
-            start=True,
-        )
-        for parameter, node in zip(parameters, nodes)
-    ]
-    try:
+    with two_averagers("expected_group", parameters, matchmaking=60.0) as averagers:
         controls = []
         for averager in averagers:
             averager.expect_group(2)
@@ -548,11 +527,6 @@ def test_a_round_expecting_its_partners_begins_as_soon_as_they_are_there():
         assert [len(control.result(timeout=45.0)) for control in controls] == [2, 2]
         with averagers[0].get_tensors() as (averaged,):
             assert torch.equal(averaged, torch.full((4,), 0.5))
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        for node in nodes:
-            node.shutdown()
 
 
 @pytest.mark.parametrize("delayed", [False, True], ids=["synchronous", "delayed"])
