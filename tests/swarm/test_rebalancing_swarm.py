@@ -93,9 +93,10 @@ def test_a_throttled_peer_gets_work_in_proportion_to_its_throughput(swarm, tmp_p
     """Two peers serve stage 0, one throttled to a third of its speed: the routers send it a share of the
     microbatches that matches its share of the stage's throughput (as the peers published it side by side, averaged
     over the run: on a shared machine it moves), within three standard deviations of that many random picks; far from
-    the half that picking blindly would give it (the throttle shows in that share: well below half). A first, short
-    trainer warms both peers up, so that the measured trainer never picks between peers of no published throughput
-    (each counts as the fastest then: on a loaded machine, its first picks were blind for seconds)."""
+    the half that picking blindly would give it (the throttle shows in that share: well below half). The calls are
+    counted from the first snapshot of the trainer's history written after both peers published a throughput: before
+    that, a peer of no published throughput counts as the fastest, and on a loaded machine the first picks were
+    blind for seconds."""
     model = ["--d-model", "128", "--n-layer", "4", "--n-head", "4", "--block-size", "64", "--batch-size", "16"]
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_REBALANCE_PERIOD": "0", "SWARM_TARGET_BATCH_SIZE": "64"}
     env["SWARM_MICROBATCHES"] = "1"  # one pick at a time: concurrent picks see each other's calls in flight
@@ -113,26 +114,29 @@ def test_a_throttled_peer_gets_work_in_proportion_to_its_throughput(swarm, tmp_p
             return records[slow].throughput / (records[slow].throughput + records[fast].throughput)
         return None
 
-    shares = []
+    record = tmp_path / "trainer.json"
+    args = [*model, "--max-steps", "70", "--history", str(record)]
+    shares, baseline = [], None  # the calls per peer in the first snapshot taken after both peers published
     try:
         deadline = time.monotonic() + 900  # only stops a test that hangs
-        warm = swarm.start("warm", [*model, "--max-steps", "8"], env={**env, "SWARM_ROLE": "drive"})
-        assert swarm.wait("warm", timeout=600) == 0, warm.log()[-3000:]
-        while slow_share() is None:
-            assert time.monotonic() < deadline, "the peers never published a throughput"
-            time.sleep(0.5)
-        record = tmp_path / "trainer.json"
-        args = [*model, "--max-steps", "60", "--history", str(record)]
         trainer = swarm.start("trainer", args, env={**env, "SWARM_ROLE": "drive"})
+        while slow_share() is None:
+            assert trainer.alive() and time.monotonic() < deadline, trainer.log()[-3000:]
+            time.sleep(0.5)
+        published_at_step = history(record)["steps"] if record.exists() else 0
         while trainer.alive():
             assert time.monotonic() < deadline, trainer.log()[-3000:]
-            if (share := slow_share()) is not None:
+            if baseline is None and record.exists() and (snapshot := history(record))["steps"] > published_at_step:
+                baseline = snapshot["calls_per_peer"]
+            if baseline is not None and (share := slow_share()) is not None:
                 shares.append(share)
             time.sleep(1.0)
     finally:
         node.shutdown()
     assert swarm.wait("trainer", timeout=30) == 0, trainer.log()[-3000:]
-    calls = history(record)["calls_per_peer"]
+    assert baseline is not None and shares, "the trainer ended before both peers had published a throughput"
+    total = history(record)["calls_per_peer"]
+    calls = {peer: total.get(peer, 0) - baseline.get(peer, 0) for peer in (slow, fast)}
     throughput_share = sum(shares) / len(shares)
     work_share = calls[slow] / (calls[slow] + calls[fast])
     print(f"throttled peer: {throughput_share:.3f} of the throughput, {work_share:.3f} of the calls ({calls})")
