@@ -61,14 +61,20 @@ def pipeline(router: PeersRouter, modules: list, wiring: str = "chain", microbat
     return RemotePipeline(router, "none", microbatches, spans=SPANS, meta=MetaBlocks(modules), wiring=wiring)
 
 
-def plain(modules: list, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output and input gradient of the modules run in this process."""
-    x = x.detach().clone().requires_grad_()
-    y = x
-    for module in modules:
-        y = module(y)
-    y.square().sum().backward()
-    return y.detach(), x.grad
+def plain(modules: list, x: torch.Tensor, microbatches: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and input gradient of the modules run in this process, one microbatch at a time as the pipeline runs
+    them: a matmul's rows need not come out bit-equal in a batch of another size (on an AVX-512 CPU, 8 rows and two
+    times 4 differed in the last bit)."""
+    outputs, grads = [], []
+    for chunk in x.detach().chunk(microbatches):
+        chunk = chunk.clone().requires_grad_()
+        y = chunk
+        for module in modules:
+            y = module(y)
+        y.square().sum().backward()
+        outputs.append(y.detach())
+        grads.append(chunk.grad)
+    return torch.cat(outputs), torch.cat(grads)
 
 
 def run(remote: RemotePipeline, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +154,7 @@ def test_a_last_stage_peer_lost_before_backward_is_recomputed_elsewhere_and_coun
         y = remote(x_)
         router.servers["p2"] = Failing()
         y.square().sum().backward()
-        torch.testing.assert_close(x_.grad, plain(modules, x)[1], rtol=0, atol=0)
+        torch.testing.assert_close(x_.grad, plain(modules, x, microbatches=1)[1], rtol=0, atol=0)
         assert router.stats.recomputed == router.stats.failovers == 1 and router.banned("p2")
         assert router.stats.chained == 1 and len(servers[0].kept) == len(servers[1].kept) == 0
     finally:
@@ -169,7 +175,7 @@ def test_a_failing_next_stage_peer_fails_over_inside_the_chain_and_the_trainer_h
     router.on_event = heard.append
     try:
         got = run(pipeline(router, modules, microbatches=1), x)
-        torch.testing.assert_close(got[1], plain(modules, x)[1], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], plain(modules, x, microbatches=1)[1], rtol=0, atol=0)
         assert failing.calls == 1 and router.stats.failovers == 1 and router.stats.failed == {"bad": 1}
         assert [(e.stage, e.failed_peer, e.retried_on) for e in heard] == [(1, "bad", "p1")]
     finally:
@@ -188,7 +194,7 @@ def test_a_failover_inside_the_chain_is_counted_once_where_the_trainer_serves_th
         server.onward.routes = router
     try:
         got = run(pipeline(router, modules, microbatches=1), x)
-        torch.testing.assert_close(got[1], plain(modules, x)[1], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], plain(modules, x, microbatches=1)[1], rtol=0, atol=0)
         assert router.stats.failovers == 1 and router.stats.failed == {"bad": 1} and router.banned("bad")
     finally:
         shutdown(router)
@@ -213,7 +219,7 @@ def test_a_backward_the_next_peer_fails_stops_there_and_counts_one_failed_call(s
         for seen_by in (router, servers[2].onward.routes):
             seen_by.servers["p1"] = Failing()
         y.square().sum().backward()
-        torch.testing.assert_close(x_.grad, plain(modules, x)[1], rtol=0, atol=0)
+        torch.testing.assert_close(x_.grad, plain(modules, x, microbatches=1)[1], rtol=0, atol=0)
         assert router.stats.recomputed == router.stats.failovers == 1 and router.stats.failed == {"p1": 1}
     finally:
         shutdown(router)
@@ -267,7 +273,7 @@ def test_a_gradient_parked_by_a_peer_that_left_is_recomputed_on_another_peer():
             seen_by.servers["p1"] = Failing()
         router.servers["p2"] = LeavesWithItsParcels(servers[2])
         y.square().sum().backward()
-        torch.testing.assert_close(x_.grad, plain(modules, x)[1], rtol=0, atol=0)
+        torch.testing.assert_close(x_.grad, plain(modules, x, microbatches=1)[1], rtol=0, atol=0)
         assert router.stats.recomputed == 2 and router.banned("p2")
     finally:
         shutdown(router)
@@ -291,7 +297,7 @@ def test_an_input_gradient_parked_by_a_first_stage_peer_that_left_is_recomputed_
         y = pipeline(router, modules, microbatches=1)(x_)
         router.servers["p0"] = LeavesWithItsParcels(servers[0])  # the stage servers still reach it
         y.square().sum().backward()
-        torch.testing.assert_close(x_.grad, plain(modules, x)[1], rtol=0, atol=0)
+        torch.testing.assert_close(x_.grad, plain(modules, x, microbatches=1)[1], rtol=0, atol=0)
         assert router.stats.recomputed == 3 and router.banned("p0")
         # p0 answers its hop's backward again (no graph: recomputed), so nothing failed that no failover explains
         assert router.stats.failed == {} and router.stats.failovers == 0
@@ -318,7 +324,7 @@ def test_a_chain_that_cannot_go_on_answers_before_its_caller_stops_waiting():
     router.on_event = heard.append
     try:
         got = run(pipeline(router, modules, microbatches=1), x)
-        torch.testing.assert_close(got[1], plain(modules, x)[1], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], plain(modules, x, microbatches=1)[1], rtol=0, atol=0)
         assert router.stats.failovers == 1 and router.stats.failed == {"hang": 1} and router.stats.chain_breaks == 0
         assert [(e.stage, e.method, e.failed_peer, e.retried_on) for e in heard] == [(1, "forward", "hang", "p1")]
         assert not router.banned("p0") and onward.banned("hang") and onward.stats.failed == {}
@@ -341,7 +347,7 @@ def test_nan_made_by_a_stage_is_its_peers_fault_and_its_hop_runs_elsewhere():
     try:
         with torch.no_grad():
             y = pipeline(router, modules, microbatches=1)(torch.ones(4, 8))
-        torch.testing.assert_close(y, plain(modules, torch.ones(4, 8))[0])
+        torch.testing.assert_close(y, plain(modules, torch.ones(4, 8), microbatches=1)[0])
         assert router.banned("liar") and router.stats.failed == {"liar": 1}
     finally:
         shutdown(router)
