@@ -15,7 +15,7 @@ import signal
 import tempfile
 import threading
 import time
-from typing import Any, Awaitable, Optional, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
 
 from hivemind.dht import DHT
 from hivemind.dht.validation import RecordValidatorBase
@@ -59,12 +59,14 @@ class _OrphansDropped:
 
 
 class _SwarmDHT(DHT):
-    """hivemind's DHT, reading its requests through :class:`_OrphansDropped`."""
+    """hivemind's DHT, reading its requests through :class:`_OrphansDropped`, that exits with the peer's process
+    (its libp2p daemon with it)."""
 
     orphans_dropped = 0  # requests dropped so far, in the DHT process (read it with run_coroutine)
 
     def run(self) -> None:
         self._inner_pipe = _OrphansDropped(self._inner_pipe)
+        exit_with_parent(self._parent_pid, lambda: kill_daemon(_own_daemon_pid(getattr(self, "_node", None))))
         super().run()
 
     async def _drop_orphan(self) -> None:
@@ -282,6 +284,21 @@ def daemon_reason(error: BaseException) -> str:
     return re.sub(r"^(Daemon failed to start: )?\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", reason).strip()
 
 
+def exit_with_parent(parent: int, on_exit: Callable[[], None] = lambda: None, period: float = 1.0) -> None:
+    """In a helper process the peer forked (its DHT, an averager): call ``on_exit`` and exit once the peer's process,
+    ``parent``, is gone. A peer killed by SIGKILL (the OOM killer, a crash) cleans nothing up: its helpers and libp2p
+    daemon would live on, keep its identity reachable over libp2p and its averagers answering, for as long as the
+    machine runs. Checked every ``period`` seconds."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period)
+        on_exit()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="swarm-exit-with-parent", daemon=True).start()
+
+
 def kill_daemon(pid: Optional[int]) -> None:
     """Kill the p2pd daemon with this pid if it still runs (checked by its command line, where /proc exists)."""
     if pid is None:
@@ -311,8 +328,12 @@ async def _dial(p2p: P2P, peers: dict[str, Sequence[str]], timeout: float) -> li
 
 
 async def _daemon_pid(dht: DHT, node: Any) -> Optional[int]:
-    child = getattr(node.p2p, "_child", None)
-    return getattr(child, "pid", None)
+    return _own_daemon_pid(node)
+
+
+def _own_daemon_pid(node: Any) -> Optional[int]:
+    """The pid of the p2pd that the DHT process's ``node`` (a ``DHTNode``, or None before it starts) runs."""
+    return getattr(getattr(getattr(node, "p2p", None), "_child", None), "pid", None)
 
 
 async def _visible_maddrs(dht: DHT, node: Any) -> list:

@@ -50,6 +50,7 @@ from hivemind.utils.performance_ema import PerformanceEMA
 from lightning_swarm import discovery
 from lightning_swarm.errors import MID_STEP
 from lightning_swarm.logs import RateLimit
+from lightning_swarm.node import exit_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -324,8 +325,12 @@ class _StartsByFork(multiprocessing.context.ForkProcess):
 
     hivemind's averagers are processes that start with the default method and expect a fork (its DHT, a
     ``ForkProcess``, always forks): forkserver, the default on Linux from Python 3.14 on, pickles the process to start
-    it, and an averager cannot be pickled.
+    it, and an averager cannot be pickled. It exits with the peer's process, even one killed by SIGKILL.
     """
+
+    def run(self) -> None:
+        exit_with_parent(self._parent_pid)
+        super().run()
 
 
 class _NotesDownloads(DecentralizedAverager):

@@ -12,7 +12,7 @@ from multiprocessing import resource_tracker
 
 import psutil
 import pytest
-from helpers import GPT_SCRIPT, PEER_ENV, ROOT
+from helpers import CALL_FAILED, GPT_SCRIPT, PEER_ENV, ROOT, report_peers
 
 # before anything imports hivemind: its default, file_system sharing, starts a torch_shm_manager that outlives tests
 os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
@@ -57,6 +57,15 @@ def leftover_namespaces() -> list[str]:
     return found
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Note whether a test's call failed, for its fixtures' teardown (:func:`helpers.report_peers`)."""
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_FAILED] = report.failed
+    return report
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leftover_processes():
     """Fail the run if any p2pd daemon or peer started during the suite is still alive at its end."""
@@ -89,9 +98,7 @@ def swarm(tmp_path, request):
     run_id = "t" + request.node.name.replace("[", "_").replace("]", "").replace("-", "_")[-40:]
     with LocalSwarm([GPT_SCRIPT], tmp_path, run_id=run_id, env=PEER_ENV) as local_swarm:
         yield local_swarm
-        for peer in local_swarm.peers.values():
-            if peer.process.returncode not in (None, 0, -9):
-                print(f"---- {peer.name} exited {peer.process.returncode}:\n{peer.log()[-4000:]}")
+        report_peers(request, local_swarm.peers.values())
 
 
 @pytest.fixture

@@ -12,12 +12,26 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT_SCRIPT = str(ROOT / "examples" / "gpt.py")
 LOCAL_YAML = ROOT / "examples" / "swarm_local.yaml"
 EVENT_PEER = str(Path(__file__).with_name("event_peer.py"))
+
+CALL_FAILED = pytest.StashKey[bool]()  # set on each test item by the root conftest once its call phase is reported
+
+
+def report_peers(request: pytest.FixtureRequest, peers) -> None:
+    """At a swarm fixture's teardown, print the tail of every peer's log if the test failed (a test killed by its
+    timeout included, whose own assertion message never came), else of each peer that exited with an error."""
+    failed = request.node.stash.get(CALL_FAILED, False)
+    for peer in peers:
+        code = peer.process.poll()
+        if failed or code not in (None, 0, -9):
+            print(f"---- {peer.name} (exit code {code}):\n{peer.log()[-4000:]}")
+
 
 # settings that keep test swarms fast and quiet; every timeout stays finite
 PEER_ENV = {

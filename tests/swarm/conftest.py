@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import PEER_ENV
+from helpers import PEER_ENV, report_peers
 from helpers.model_peer import SCRIPT
 
 
@@ -15,6 +15,4 @@ def model_swarm(tmp_path, request):
     run_id = "t" + request.node.name.replace("[", "_").replace("]", "").replace("-", "_")[-40:]
     with LocalSwarm([SCRIPT], tmp_path, run_id=run_id, env=PEER_ENV) as local_swarm:
         yield local_swarm
-        for peer in local_swarm.peers.values():
-            if peer.process.poll() not in (None, 0, -9):  # a peer that failed, even one the test never waited for
-                print(f"---- {peer.name} exited {peer.process.returncode}:\n{peer.log()[-4000:]}")
+        report_peers(request, local_swarm.peers.values())

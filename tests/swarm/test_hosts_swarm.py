@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from helpers import FAST, GPT_SCRIPT, PEER_ENV, SMALL_GPT, history
+from helpers import FAST, GPT_SCRIPT, PEER_ENV, SMALL_GPT, history, report_peers
 from helpers.emulated_hosts import PORT, EmulatedHosts, HostSwarm, namespaces, unavailable_reason
 
 RATE_MBIT = 100
@@ -32,9 +32,7 @@ def host_swarm(hosts, tmp_path, request):
     run_id = "t" + request.node.name[-40:]
     with HostSwarm(hosts, [GPT_SCRIPT], tmp_path, run_id, PEER_ENV) as swarm:
         yield swarm
-        for peer in swarm.peers.values():
-            if peer.process.poll() not in (None, 0, -9):
-                print(f"---- {peer.name} exited {peer.process.returncode}:\n{peer.log()[-4000:]}")
+        report_peers(request, swarm.peers.values())
     assert not hosts.processes(), "processes left running on the emulated hosts"
 
 

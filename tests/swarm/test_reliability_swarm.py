@@ -1,5 +1,5 @@
 """A stage that loses its last peer: trainers wait for it (and say so), and give up only after stage_wait_timeout;
-failed trainers leave at once."""
+failed trainers leave at once; a peer killed by SIGKILL leaves no helper process behind."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import signal
 import time
 from datetime import datetime
 
+import psutil
 from helpers import FAST, SMALL_GPT
 
 from lightning_swarm.client.routing import WAIT_LOG_PERIOD
@@ -127,3 +128,29 @@ def test_failed_trainers_leave_at_once(swarm, tmp_path):
         assert took[name] < timeout + 45, log[-3000:]  # linger is 120 s: never waited out
         assert re.search(r"Training failed, leaving the swarm now: StageUnavailableError: Stage 1", log), log[-3000:]
         assert "Training done: serving on" not in log
+
+
+def running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_peer_killed_by_sigkill_leaves_no_helper_process(swarm):
+    """The OOM killer or a crash ends a peer with SIGKILL, which runs no cleanup: its DHT process, its averagers and
+    its libp2p daemon exit by themselves (before, they lived on as orphans, kept its identity reachable over libp2p,
+    so that calls to it waited for their timeout instead of failing at once, and held their memory)."""
+    env = {**FAST, "SWARM_ROLE": "serve", "SWARM_NUM_STAGES": "2", "SWARM_STAGE": "1"}
+    peer = swarm.start("stage1", SMALL_GPT, env=env)
+    deadline, helpers = time.monotonic() + 120, []
+    while sum(h.name() == "python" for h in helpers) < 2:  # the DHT process and the stage's averager
+        assert time.monotonic() < deadline and peer.alive(), peer.log()[-3000:]
+        time.sleep(0.5)
+        helpers = [h for h in psutil.Process(peer.process.pid).children(recursive=True) if running(h)]
+    assert "p2pd" in [h.name() for h in helpers]
+    swarm.signal("stage1", signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while left := [f"{h.pid} {h.name()}" for h in helpers if running(h)]:
+        assert time.monotonic() < deadline, f"helpers of the killed peer still running after 60 s: {left}"
+        time.sleep(0.5)
