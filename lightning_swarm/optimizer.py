@@ -680,6 +680,14 @@ class SwarmOptimizer(hivemind.Optimizer):
         if failed_at is not None:
             self.failed_round_seconds += max(0.0, failed_at - began)
 
+    def leave_rounds(self) -> None:
+        """This peer trains no more but stays (it serves the others until they finish): withdraw its progress record
+        now, not at :meth:`shutdown`, so that the other peers' rounds stop counting on it. Its record showed the
+        samples it gathered after its last round, at its epoch, and a partner's round at that epoch expected it
+        until the record expired (in two demo runs, a trainers' round 3 s after a partner's fit ended waited for
+        that partner's 64 leftover samples, and failed)."""
+        self.tracker.shutdown(self.shutdown_timeout)
+
     def shutdown(self) -> None:
         # hivemind cancels the rounds still looking for a group; one given up on already (cancelled, or over) may
         # still read so, and a second cancel raises: cancelled here, once, and then left out of hivemind's shutdown

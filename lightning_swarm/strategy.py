@@ -258,6 +258,9 @@ class SwarmStrategy(Strategy):
     def on_train_end(self) -> None:
         self._service()
         self.host.set_training(False)
+        for optimizer in self.optimizers:  # the trainers' rounds go on without this peer, which may linger
+            if hasattr(optimizer, "leave_rounds"):  # the SwarmOptimizer, once wrapped
+                optimizer.leave_rounds()
 
     def on_exception(self, exception: BaseException) -> None:
         """Training raised: say why now and tell the swarm, so that nobody lingers for this peer nor it for others."""

@@ -296,6 +296,34 @@ def test_a_round_of_the_trainers_expects_every_trainer():
         node.shutdown()
 
 
+def test_a_trainer_that_finished_withdraws_its_progress_record_at_once():
+    """A trainer whose fit ended stays to serve the others (it lingers) with its optimizer up: its progress record,
+    showing the samples it gathered after its last round, made a partner's round at that epoch expect it. It
+    withdraws the record when training ends (``leave_rounds``), not at shutdown."""
+    node = SwarmNode().start()
+    model, optimizer = _optimizer(node, 0, "leaving")
+    tracker = optimizer.tracker
+
+    def record():  # this peer's progress record as the DHT has it now (None: withdrawn or never stored)
+        found = node.dht.get(tracker.training_progress_key, latest=True)
+        entry = found.value.get(tracker._local_public_key) if found is not None else None
+        return entry.value if entry is not None else None
+
+    try:
+        tracker.report_local_progress(optimizer.local_epoch, 4)
+        deadline = time.monotonic() + 30
+        while (published := record()) is None or published["samples_accumulated"] != 4:
+            assert time.monotonic() < deadline, "the record was never published"
+            time.sleep(0.1)
+        optimizer.leave_rounds()
+        while record() is not None:
+            assert time.monotonic() < deadline, "the record was not withdrawn"
+            time.sleep(0.1)
+    finally:
+        optimizer.shutdown()  # the tracker again: shutting it down twice is harmless
+        node.shutdown()
+
+
 def test_a_peer_shuts_down_its_optimizer_with_a_round_it_gave_up_on_still_looking():
     """hivemind's contract: a round's cancel can be sent once, a second raises ``InvalidStateError``. hivemind's
     shutdown cancels every round still looking for a group; a round the optimizer had given up on (cancelled while
