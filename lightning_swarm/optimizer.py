@@ -235,6 +235,7 @@ class CountingProgressTracker(ProgressTracker):
         # set before hivemind's constructor, which fetches the swarm's progress once
         self._others: tuple[Optional[int], int] = (None, 0)  # (epoch, samples of the other peers) as last fetched
         self._records: list[LocalTrainingProgress] = []  # the other peers' progress, as last fetched
+        self._sampled_at: set[int] = set()  # the swarm's recent epochs in which this peer reported samples
         self.per_trainer: Optional[PerTrainerBatch] = None  # the target is this times the trainers (unset: fixed)
         self.trainers = trainers
         self.expect_trainers = expect_trainers
@@ -248,6 +249,21 @@ class CountingProgressTracker(ProgressTracker):
         self.performance_ema = _NoRateEstimate()
         if start:
             self.start()
+
+    def report_local_progress(
+        self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True
+    ) -> None:
+        """hivemind's report, noting the swarm's epoch when it carried samples (for :meth:`published`)."""
+        if samples_accumulated > 0:
+            epoch = self.global_epoch
+            self._sampled_at = {e for e in self._sampled_at if e >= epoch - 2} | {epoch}
+        super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+
+    def published(self, epoch: int) -> bool:
+        """Whether hivemind published this peer's progress while the swarm was at ``epoch``, so that its partners
+        could count it in their rounds of that epoch: its reporter stores a peer's record only within one epoch of the
+        last it reported samples in. A peer with no samples since it joined (or moved to this stage) is in no count."""
+        return any(epoch - 1 <= e <= epoch for e in self._sampled_at)
 
     def _parse_swarm_progress_data(self, metadata: Any) -> GlobalTrainingProgress:
         if self.trainers is not None:  # the trainers as last read; the next read starts (at most every period)
@@ -303,9 +319,11 @@ class CountingProgressTracker(ProgressTracker):
     def awaited_without_samples(self) -> bool:
         """Whether a partner's round of this peer's epoch, still running, counts on this peer though it has no samples:
         a partner is one epoch ahead and none at this epoch showed samples (as last fetched), so that partner's round
-        expected every peer at its epoch (:meth:`round_size`)."""
+        expected every peer at its epoch whose record it saw (:meth:`round_size`), which this one's is only if it was
+        :meth:`published`. A newcomer that joined such a round went unexpected: the round closed without it, and its
+        own failed after the window; it then downloaded the state all the same."""
         mine = self.local_progress.epoch
-        if self.local_progress.samples_accumulated or self.global_epoch != mine + 1:
+        if self.local_progress.samples_accumulated or self.global_epoch != mine + 1 or not self.published(mine):
             return False
         return not any(e.epoch == mine and e.samples_accumulated for e in self._records)
 

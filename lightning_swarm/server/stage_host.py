@@ -449,9 +449,14 @@ class StageHost:
 
     def linger(self, still_serving: Callable[[], None]) -> None:
         """Keep serving while other peers are still training, so that finishing first does not strand them (for at
-        most ``linger`` seconds); ``still_serving`` runs between two looks at the swarm."""
+        most ``linger`` seconds); ``still_serving`` runs between two looks at the swarm. It leaves once no other peer
+        has shown as training for an update period: a trainer's record, refreshed every period for two, can lapse
+        for a moment when a refresh comes late (or a read misses it). Leaving on one such read is the one way the
+        peers of a stage could all have left a demo run while its last trainer still trained: they left about when
+        they finished, and that trainer waited for their stage until its ``stage_wait_timeout`` and exited 1."""
         settings = self.settings
         deadline, due = time.monotonic() + settings.linger, RateLimit(60.0)
+        quiet_since: Optional[float] = None  # since when no other peer has shown as training
         while time.monotonic() < deadline and not self.stop_requested.is_set():
             try:
                 others = discovery.training_peers(self.node, settings.run_id, settings.num_stages) - {self.peer_id}
@@ -459,8 +464,12 @@ class StageHost:
                 log.warning("Could not read the swarm while lingering: %r", e)
                 others = {"unknown"}
             if not others:
-                return
-            if due():
+                quiet_since = time.monotonic() if quiet_since is None else quiet_since
+                if time.monotonic() - quiet_since >= settings.update_period:
+                    return
+            else:
+                quiet_since = None
+            if others and due():
                 log.warning(
                     "Training done: serving on while %d other peer(s) train (for %.0fs more at most: linger)",
                     len(others),

@@ -269,6 +269,35 @@ def test_the_partners_of_a_round_include_those_that_just_left_its_epoch():
         node.shutdown()
 
 
+def test_a_peer_without_samples_is_awaited_only_if_its_record_was_published():
+    """With delayed updates, a peer one epoch behind a partner, with no samples, joins that partner's round with
+    zero weight when the round counts on it. It can only if the partner saw its record, and hivemind publishes a
+    peer's progress only within one epoch of the last it reported samples in: a newcomer (or a peer idle for epochs)
+    is in nobody's count. Such a peer's join failed after the window, and it downloaded the state all the same."""
+    node = SwarmNode().start()
+    tracker = CountingProgressTracker(dht=node.dht, prefix="published", target_batch_size=8, start=False)
+    try:
+
+        def awaited(epoch: int, swarm_epoch: int) -> bool:
+            """Whether the peer, at ``epoch`` with no samples, is awaited while the swarm is at ``swarm_epoch``."""
+            tracker.local_progress = tracker.local_progress.copy(update=dict(epoch=epoch, samples_accumulated=0))
+            tracker.global_progress.epoch = swarm_epoch
+            tracker._records = [progress(swarm_epoch, 0, "partner")]
+            return tracker.awaited_without_samples()
+
+        assert not tracker.published(3) and not awaited(3, 4)  # a newcomer: never published
+        tracker.global_progress.epoch = 2
+        tracker.report_local_progress(2, 4)  # samples while the swarm was at epoch 2: published through epoch 3
+        assert tracker.published(2) and tracker.published(3) and awaited(3, 4)
+        assert not tracker.published(4) and not awaited(4, 5)  # no samples since: hivemind stopped publishing it
+        assert not awaited(3, 5)  # two epochs behind: it downloads the state
+        tracker._records = [progress(3, 16, "partner")]  # a partner at its epoch showed samples: no round counts on it
+        tracker.global_progress.epoch = 4
+        assert not tracker.awaited_without_samples()
+    finally:
+        node.shutdown()
+
+
 def test_a_round_of_the_trainers_expects_every_trainer():
     """The trainers' local optimizer (``expect_trainers``) expects every peer training in each round, as last read,
     not only the partners whose samples its last progress fetch showed: a round that began with those alone left out

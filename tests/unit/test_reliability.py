@@ -1,11 +1,14 @@
 """Failures on a peer's side, malformed replies included, send the microbatch to another peer; only the caller's
-own mistakes raise; retrying a banned peer does not restart the wait for a stage."""
+own mistakes raise; retrying a banned peer does not restart the wait for a stage; a peer that finished training
+lingers until no other peer has trained for an update period."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import re
+import threading
+import time
 from types import SimpleNamespace
 from typing import Optional
 
@@ -15,7 +18,7 @@ from helpers.stage import PeersRouter
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.p2p import P2P
 
-from lightning_swarm import compression, protocol, transport
+from lightning_swarm import compression, discovery, protocol, transport
 from lightning_swarm.block_calls import MetaBlocks
 from lightning_swarm.client import routing
 from lightning_swarm.client.remote_pipeline import RemotePipeline
@@ -28,6 +31,7 @@ from lightning_swarm.errors import (
     StageUnavailableError,
     SwarmRequestError,
 )
+from lightning_swarm.server.stage_host import StageHost
 from lightning_swarm.server.stage_server import StageServer
 from lightning_swarm.transport import DirectRequest
 
@@ -265,3 +269,31 @@ def test_errors_cross_both_paths_by_name():
         stage.shutdown()
         for p2p in (caller_p2p, server_p2p):
             run(p2p.shutdown())
+
+
+def test_a_lingering_peer_leaves_only_once_no_trainer_showed_for_an_update_period(monkeypatch):
+    """A trainer's record, refreshed every update period for two, can lapse when a refresh comes late, or a read can
+    miss it: one read without it must not make the peers that finished leave a stage it still needs. A lingering
+    peer leaves once no other peer has shown as training for an update period; a trainer seen again restarts that."""
+    period = 0.05
+    reads = iter([{"trainer"}, set(), {"trainer"}, set(), {"trainer"}])  # lapses of one read each, then gone
+    seen: list[tuple[float, set]] = []
+
+    def training_peers(node, run_id, num_stages):
+        found = next(reads, set())
+        seen.append((time.monotonic(), found))
+        return found | {"me"}
+
+    monkeypatch.setattr(discovery, "training_peers", training_peers)
+    host = SimpleNamespace(
+        settings=SimpleNamespace(linger=60.0, update_period=period, run_id="r", num_stages=2),
+        node=None,
+        peer_id="me",
+        stop_requested=threading.Event(),
+    )
+    served = []
+    StageHost.linger(host, lambda: served.append(1))
+    gone = next(i for i, (_, found) in enumerate(seen) if i >= 4 and not found)  # the first read after the trainer
+    assert len(seen) >= gone + 3  # lapses of one read did not end it; at least three reads without the trainer did
+    assert seen[-1][0] - seen[gone][0] >= period and not any(found for _, found in seen[gone:])
+    assert len(served) == len(seen) - 1  # it served on between every two reads
