@@ -12,7 +12,7 @@ from multiprocessing import resource_tracker
 
 import psutil
 import pytest
-from helpers import CALL_FAILED, GPT_SCRIPT, PEER_ENV, ROOT, report_peers
+from helpers import CALL_FAILED, GPT_SCRIPT, PEER_ENV, ROOT, report_peers, running
 
 # before anything imports hivemind: its default, file_system sharing, starts a torch_shm_manager that outlives tests
 os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
@@ -36,13 +36,6 @@ def _environ(process: psutil.Process) -> dict:
         return process.environ()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return {}
-
-
-def _status(process: psutil.Process) -> str:
-    try:
-        return process.status()
-    except psutil.NoSuchProcess:
-        return psutil.STATUS_ZOMBIE
 
 
 def leftover_namespaces() -> list[str]:
@@ -81,7 +74,7 @@ def no_leftover_processes():
     # that exits within a few seconds is not a leftover, and a zombie has exited already
     children = [c for c in psutil.Process().children(recursive=True) if c.pid != tracker]
     _, alive = psutil.wait_procs(children, timeout=5)
-    children = [c for c in alive if _status(c) != psutil.STATUS_ZOMBIE]
+    children = [c for c in alive if running(c)]
     for process in [*children, *(psutil.Process(pid) for pid in left if psutil.pid_exists(pid))]:
         process.kill()
     namespaces = leftover_namespaces()  # emulated hosts (helpers/emulated_hosts.py) whose test did not remove them

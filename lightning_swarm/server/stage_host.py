@@ -469,12 +469,12 @@ class StageHost:
                     return
             else:
                 quiet_since = None
-            if others and due():
-                log.warning(
-                    "Training done: serving on while %d other peer(s) train (for %.0fs more at most: linger)",
-                    len(others),
-                    deadline - time.monotonic(),
-                )
+                if due():
+                    log.warning(
+                        "Training done: serving on while %d other peer(s) train (for %.0fs more at most: linger)",
+                        len(others),
+                        deadline - time.monotonic(),
+                    )
             still_serving()
             time.sleep(settings.update_period / 2)
 

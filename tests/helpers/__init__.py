@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -21,6 +22,14 @@ LOCAL_YAML = ROOT / "examples" / "swarm_local.yaml"
 EVENT_PEER = str(Path(__file__).with_name("event_peer.py"))
 
 CALL_FAILED = pytest.StashKey[bool]()  # set on each test item by the root conftest once its call phase is reported
+
+
+def running(process: psutil.Process) -> bool:
+    """Whether ``process`` still runs: a zombie has exited already, only not yet reaped (init may reap it late)."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def report_peers(request: pytest.FixtureRequest, peers) -> None:

@@ -11,7 +11,7 @@ import time
 from datetime import datetime
 
 import psutil
-from helpers import FAST, SMALL_GPT
+from helpers import FAST, SMALL_GPT, running
 
 from lightning_swarm.client.routing import WAIT_LOG_PERIOD
 
@@ -128,13 +128,6 @@ def test_failed_trainers_leave_at_once(swarm, tmp_path):
         assert took[name] < timeout + 45, log[-3000:]  # linger is 120 s: never waited out
         assert re.search(r"Training failed, leaving the swarm now: StageUnavailableError: Stage 1", log), log[-3000:]
         assert "Training done: serving on" not in log
-
-
-def running(process: psutil.Process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_a_peer_killed_by_sigkill_leaves_no_helper_process(swarm):
