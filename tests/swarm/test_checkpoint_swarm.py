@@ -10,10 +10,9 @@ import json
 import torch
 from helpers import FAST, SMALL_GPT
 from helpers.raw_client import RawClient, wait_until_serving, wire
-from hivemind.proto import runtime_pb2
 
-from lightning_swarm import compression, protocol
 from lightning_swarm.checkpointing import CONSISTENT_KEY, STAGE_OPTIMIZERS_KEY, STAGE_STEPS_KEY
+from lightning_swarm.client.routing import StageRouter
 from lightning_swarm.node import SwarmNode
 
 GPT_ARGS = [*SMALL_GPT[:2], *SMALL_GPT[4:], "--n-layer", "3", "--lr", "1e-2"]  # three blocks: one per stage
@@ -27,14 +26,9 @@ def losses(path) -> list[float]:
         return json.load(f)["losses"]
 
 
-def optimizer_state(client: RawClient) -> dict:
-    """A stage optimizer's state dict, as rpc_state sends it with {"optimizer": True}."""
-    request = runtime_pb2.ExpertRequest(uid=client.uid, metadata=protocol.encode_metadata({"optimizer": True}))
-
-    async def go():
-        return (await protocol.receive_stream(await client.stub.rpc_state(request), 20, "rpc_state"))[0]
-
-    raw = compression.deserialize(client.node.run(go(), 25)[0])
+def optimizer_state(router: StageRouter, stage: int) -> dict:
+    """A stage optimizer's state dict, downloaded as a peer joining the stage downloads it."""
+    raw = router.fetch_state(stage, optimizer=True)["optimizer"]
     return torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=True)
 
 
@@ -94,16 +88,17 @@ def test_checkpoint_loads_into_the_plain_model_and_resumes_the_swarm(swarm, tmp_
     assert sorted(steps) == [0, 1, 2] and all(isinstance(step, int) and step > 0 for step in steps.values())
     assert checkpoint[CONSISTENT_KEY] == (len(set(steps.values())) == 1)
     node = SwarmNode(initial_peers=resumed_stages[0].addresses()).start()
+    router = StageRouter(node, swarm.run_id, 3, request_timeout=20, stage_wait_timeout=60)
     try:
         for k, peer in enumerate(resumed_stages):  # one block per stage: stage k holds blocks.k as "0.*"
-            client = RawClient(node, peer.addresses()[0], swarm.run_id, stage=k)
-            wait_until_serving(client, peer)
-            state = client.state()
+            wait_until_serving(RawClient(node, peer.addresses()[0], swarm.run_id, stage=k), peer)
+            state = router.fetch_state(k)  # read as a peer joining the stage reads it (the stage's only peer)
             assert state and all(torch.equal(v, saved[f"blocks.{k}." + n.split(".", 1)[1]]) for n, v in state.items())
-            expected, loaded = moments(saved_optimizers[k]), moments(optimizer_state(client))  # Adam's moments
+            expected, loaded = moments(saved_optimizers[k]), moments(optimizer_state(router, k))  # Adam's moments
             assert expected and any(v.abs().sum() > 0 for v in expected.values()), "the stage never stepped"
             assert expected.keys() == loaded.keys() and all(torch.equal(expected[i], loaded[i]) for i in expected)
     finally:
+        router.close()
         node.shutdown()
     second = tmp_path / "second.json"
     args = [*GPT_ARGS, "--max-steps", "18", "--history", str(second), "--resume", str(ckpt)]
