@@ -1,11 +1,14 @@
 """Start a swarm of peer processes on this machine: for the demo and for tests.
 
 Each peer runs in its own session (process group), so that stopping it also stops the DHT process and the p2pd
-daemon it started, even after ``kill -9`` of the peer itself.
+daemon it started, even after ``kill -9`` of the peer itself. Peers that run a script are forked from a template
+process that imported torch and Lightning once (:mod:`~lightning_swarm.prefork`): each starts in a fraction of a
+second instead of paying those imports.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -16,7 +19,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
+
+from lightning_swarm import prefork
+
+log = logging.getLogger(__name__)
 
 # the kernel list a torch dispatcher error ends with: hundreds of lines that push the error out of a log's tail,
 # printed one per line, or escaped inside the repr of an error another peer sent back
@@ -28,7 +35,7 @@ _KERNEL_LISTING = re.compile(
 @dataclass
 class Peer:
     name: str
-    process: subprocess.Popen
+    process: Union[subprocess.Popen, prefork.ForkedProcess]
     log_path: Path
     address_path: Path
 
@@ -48,12 +55,21 @@ class LocalSwarm:
     """Peers on loopback that run ``script`` with the ``SWARM_*`` environment set for them.
 
     The first peer started creates the swarm; later ones join through the addresses of a live peer.
-    Use it as a context manager: leaving it stops every peer's whole process group.
+    Use it as a context manager: leaving it stops every peer's whole process group. ``warm_start``: fork peers that
+    run a script from a template process (:mod:`~lightning_swarm.prefork`); False starts each as a fresh interpreter.
     """
 
-    def __init__(self, script: Sequence[str], workdir: Path, run_id: str, env: Optional[dict] = None) -> None:
+    def __init__(
+        self,
+        script: Sequence[str],
+        workdir: Path,
+        run_id: str,
+        env: Optional[dict] = None,
+        warm_start: bool = True,
+    ) -> None:
         self.script, self.workdir, self.run_id = list(script), Path(workdir), run_id
         self.env = dict(env or {})
+        self.warm_start = warm_start  # fork script peers from a template (prefork); False: fresh interpreters
         self.peers: dict[str, Peer] = {}
         self._previous_sigterm: Optional[Any] = None  # restored on leaving the context
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -79,15 +95,7 @@ class LocalSwarm:
         if bootstrap:
             peer_env["SWARM_INITIAL_PEERS"] = ",".join(bootstrap)
         log_path = self.workdir / f"{name}.log"
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(
-                [*prefix, sys.executable, *(self.script if script is None else script), *args],
-                env=peer_env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        process = self._launch([*(self.script if script is None else script), *args], peer_env, log_path, prefix)
         peer = self.peers[name] = Peer(name, process, log_path, address_path)
         deadline = time.monotonic() + wait
         while not peer.addresses():
@@ -99,6 +107,27 @@ class LocalSwarm:
                 raise TimeoutError(f"peer {name} did not join within {wait:.0f}s:\n{peer.log()[-3000:]}")
             time.sleep(0.2)
         return peer
+
+    def _launch(
+        self, command: list[str], env: dict, log_path: Path, prefix: Sequence[str]
+    ) -> Union[subprocess.Popen, prefork.ForkedProcess]:
+        """Start ``python *command``: forked from a template (:mod:`~lightning_swarm.prefork`) when the command is a
+        script and no prefix wraps it, else as a fresh interpreter."""
+        if self.warm_start and not prefix and command and command[0].endswith(".py"):
+            try:
+                return prefork.spawn(command, env, os.getcwd(), str(log_path))
+            except prefork.TemplateError as e:
+                log.warning("Starting peers as fresh interpreters: %s", e)
+                self.warm_start = False
+        with open(log_path, "wb") as log_file:
+            return subprocess.Popen(
+                [*prefix, sys.executable, *command],
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def start_together(self, peers: dict[str, tuple[Sequence[str], Optional[dict]]], wait: float = 120.0) -> list[Peer]:
         """Start several peers at once, ``name: (args, env)`` each as ``start`` does, and wait until all are
@@ -119,7 +148,10 @@ class LocalSwarm:
         """Send ``sig`` to the peer process alone (as a preemption or a crash would)."""
         peer = self.peers[name]
         if peer.alive():
-            os.kill(peer.process.pid, sig)
+            try:
+                os.kill(peer.process.pid, sig)
+            except ProcessLookupError:
+                pass  # it exited meanwhile (a forked peer is reaped by its template, not here)
 
     def wait(self, name: str, timeout: float) -> int:
         """Wait for a peer to exit; returns its exit code."""

@@ -62,8 +62,11 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture(scope="session", autouse=True)
 def no_leftover_processes():
     """Fail the run if any p2pd daemon or peer started during the suite is still alive at its end."""
+    from lightning_swarm import prefork
+
     before = p2pd_processes()
     yield
+    prefork.close_templates()  # the templates that forked peers (kept for the next swarm); the peers are gone
     deadline = time.monotonic() + 15
     while (left := p2pd_processes() - before) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -164,3 +164,19 @@ def test_default_target_smoke(tmp_path):
     assert r["steps"] == [6, 6] and r["samples"] == 2 * 6 * 16 and not r["cut"], r
     assert 32 in r["targets"], r
     assert re.search(r"^\| default \| 1 \| \d+ \| 6/6 \|", text, re.MULTILINE), text
+
+
+def test_warm_start_smoke(tmp_path):
+    """A peer forked from the template joins having spent a fraction of the CPU a fresh interpreter spends: torch's
+    and Lightning's imports, most of a fresh peer's start, were paid once by the template."""
+    text = smoke(tmp_path, "warm_start", timeout=300)
+    cpu = {
+        row: float(figure)
+        for row, figure in re.findall(
+            r"\| (fresh interpreter|forked from the template) \|"
+            r" \d+ \| [\d.]+ \| ([\d.]+) \|",
+            text,
+        )
+    }
+    assert cpu.keys() == {"fresh interpreter", "forked from the template"}, text
+    assert cpu["forked from the template"] < 0.5 * cpu["fresh interpreter"], text
