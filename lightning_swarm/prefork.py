@@ -222,7 +222,7 @@ def _become(request: dict) -> None:
     os.chdir(request["cwd"])
     script = request["argv"][0]
     sys.argv = list(request["argv"])
-    sys.path[0] = os.path.dirname(os.path.realpath(script))
+    sys.path.insert(0, os.path.dirname(os.path.realpath(script)))  # as ``python script`` puts it first
     import numpy
 
     numpy.random.seed()  # the legacy global generator was seeded once, in the template (Python's random reseeds)

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -21,7 +22,7 @@ SCRIPT = textwrap.dedent(
     out = sys.argv[1]
     print("to stdout"); print("to stderr", file=sys.stderr)
     record = {
-        "argv": sys.argv[1:], "name": __name__, "cwd": os.getcwd(), "path0": sys.path[0],
+        "argv": sys.argv[1:], "name": __name__, "cwd": os.getcwd(), "path": sys.path,
         "variable": os.environ.get("SWARM_PROBE"), "session": os.getsid(0) == os.getpid(),
         "random": random.random(), "hivemind": "hivemind" in sys.modules,
     }
@@ -55,11 +56,13 @@ def test_a_forked_peer_runs_its_script_as_a_fresh_interpreter_would(script, tmp_
         assert first.wait(timeout=60) == 0 and second.wait(timeout=60) == 3
         a, b = (json.loads((tmp_path / f"{k}.json").read_text()) for k in "ab")  # written by atexit handlers
         assert a["argv"] == [str(tmp_path / "a.json")] and a["name"] == "__main__" and a["session"]
-        assert a["cwd"] == str(tmp_path) and b["cwd"] == "/" and a["path0"] == str(tmp_path / "scripts")
+        assert a["cwd"] == str(tmp_path) and b["cwd"] == "/" and a["path"][0] == str(tmp_path / "scripts")
         assert (a["variable"], b["variable"]) == ("a", "b")  # SWARM_* differ per peer within one template
-        assert len(prefork._templates) == 1 and not a["hivemind"]  # one template; hivemind is imported per peer
+        assert first.template is second.template and not a["hivemind"]  # one template; hivemind imported per peer
         assert a["random"] != b["random"]  # reseeded in each peer, as fresh interpreters are
         assert (tmp_path / "a.log").read_text() == "to stdout\nto stderr\n"
+        subprocess.run([sys.executable, script, str(tmp_path / "fresh.json")], env=env(), check=True, timeout=120)
+        assert a["path"] == json.loads((tmp_path / "fresh.json").read_text())["path"]  # a fresh interpreter's path
 
         failing = prefork.spawn([script, str(tmp_path / "c.json"), "raise"], env(), "/", str(tmp_path / "c.log"))
         assert failing.wait(timeout=60) == 1 and "ZeroDivisionError" in (tmp_path / "c.log").read_text()
@@ -73,7 +76,7 @@ def test_a_forked_peer_runs_its_script_as_a_fresh_interpreter_would(script, tmp_
         other = prefork.spawn(
             [script, str(tmp_path / "e.json")], env(PROBE_IMPORT_TIME="1"), "/", str(tmp_path / "e.log")
         )
-        assert other.wait(timeout=60) == 0 and len(prefork._templates) == 2  # another environment: its own template
+        assert other.wait(timeout=60) == 0 and other.template is not first.template  # another environment
     finally:
         prefork.close_templates()
 
