@@ -63,7 +63,6 @@ class Template:
     """The launcher's side of one template process: asks it to fork peers and learns their exit codes."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
         self._stderr = tempfile.TemporaryFile()
         self.process = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__)],
@@ -160,9 +159,10 @@ def spawn(argv: list[str], env: dict[str, str], cwd: str, log: str) -> ForkedPro
     key = tuple(sorted((k, v) for k, v in env.items() if not k.startswith(RUNTIME_ONLY)))
     with _templates_lock:
         template = _templates.get(key)
-        if template is None or not template.alive:
-            if template is not None:
-                template.close()
+        if template is not None and not template.alive:
+            _templates.pop(key).close()
+            template = None
+        if template is None:
             while len(_templates) >= MAX_TEMPLATES:
                 _templates.pop(next(iter(_templates))).close()
             template = _templates[key] = Template(env)

@@ -96,4 +96,3 @@ def test_without_a_template_peers_start_as_fresh_interpreters(tmp_path):
             assert process.wait(timeout=60) == 0 and (tmp_path / "out").read_text() == "ran"
     finally:
         prefork.close_templates()
-    assert prefork._templates == {}
