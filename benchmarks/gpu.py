@@ -85,6 +85,7 @@ MIB = 2**20
 # the configuration that makes one run; a run replaces the earlier entry with the same values
 KEY = ("device", "d_model", "n_layer", "batch", "block", "precision", "kind", "updates", "target", "microbatches")
 Microbatches = Union[int, str]
+SKIPPED = "skipped (budget)"  # the status of a run the budget left no time for
 
 
 class GpuMemoryPoller:
@@ -468,7 +469,7 @@ def describe(run: dict) -> str:
 def skipped(settings: dict, phases: list[dict]) -> list[dict]:
     """The runs of a configuration the budget left no time for."""
     microbatches = [None] if settings["kind"] == "plain" else [p["microbatches"] for p in phases]
-    status = {"status": "skipped (budget)", "error": "no time left in --budget", "memory": {}}
+    status = {"status": SKIPPED, "error": "no time left in --budget", "memory": {}}
     return [{**settings, **status, "microbatches": m} for m in microbatches]
 
 
@@ -478,7 +479,8 @@ def with_loss_gaps(runs: list[dict]) -> list[dict]:
     plains = {tuple(r[k] for k in KEY[:6]): r for r in runs if r["kind"] == "plain" and r.get("losses")}
     for r in runs:
         reference = plains.get(tuple(r[k] for k in KEY[:6]))
-        curve = next((s["losses"] for s in runs if s.get("losses") and s.get("swarm") == r.get("swarm")), None)
+        swarm = r.get("swarm")  # which swarm ran it (none: a plain run, or a run the budget skipped)
+        curve = next((s["losses"] for s in runs if s.get("losses") and swarm and s.get("swarm") == swarm), None)
         steps_every_batch = r["kind"] == "swarm" and r["updates"] == "synchronous" and r["target"] == r["batch"]
         if steps_every_batch and reference and curve:
             r["loss_gap"] = loss_gap(curve, reference["losses"])
@@ -486,9 +488,13 @@ def with_loss_gaps(runs: list[dict]) -> list[dict]:
 
 
 def merge(runs: list[dict], new: list[dict]) -> list[dict]:
-    """``runs`` with ``new`` added, each replacing an earlier run of the same configuration."""
+    """``runs`` with ``new`` added, each replacing an earlier run of the same configuration; a run the budget
+    skipped replaces nothing (it is added only where the configuration has no figures yet)."""
     merged = {tuple(r.get(k) for k in KEY): r for r in runs}
-    merged.update({tuple(r.get(k) for k in KEY): r for r in new})
+    for r in new:
+        key = tuple(r.get(k) for k in KEY)
+        if key not in merged or r["status"] != SKIPPED:
+            merged[key] = r
     return list(merged.values())
 
 

@@ -175,6 +175,21 @@ def test_gpu_budget_skips_the_runs_it_has_no_time_for(tmp_path, monkeypatch):
     assert "| skipped (budget) | skipped (budget) | - |" in (tmp_path / "RESULTS.md").read_text()
 
 
+def test_a_run_the_budget_skipped_replaces_no_figures():
+    """A later command that had no time for a configuration leaves its earlier figures; a new one is reported."""
+    config = dict(device="H200", d_model=1024, n_layer=8, batch=8, block=512, precision="32-true", kind="swarm")
+    config.update(updates="synchronous", target=8)
+    measured = {**config, "microbatches": 4, "status": "ok", "samples_per_s": 60.0}
+    skipped = {**config, "status": gpu.SKIPPED, "error": "no time left in --budget", "memory": {}}
+    merged = gpu.merge([measured], [{**skipped, "microbatches": 4}, {**skipped, "microbatches": 8}])
+    assert merged == [measured, {**skipped, "microbatches": 8}]
+    assert gpu.merge(merged, [{**measured, "microbatches": 8}]) == [measured, {**measured, "microbatches": 8}]
+    # nor does it get a loss curve: a plain run of another configuration has no swarm either
+    plain = {**config, "precision": "bf16-mixed", "kind": "plain", "updates": None, "target": None, "losses": [1.0]}
+    plain.update(microbatches=None, status="ok")
+    assert all("loss_gap" not in r for r in gpu.with_loss_gaps([plain, {**skipped, "precision": "bf16-mixed"}]))
+
+
 def test_the_peak_memory_of_an_exited_peer_is_none():
     """A peer that exited (a zombie not yet reaped, then reaped) has no peak memory to read: None, no error."""
     assert gpu.peak_rss(os.getpid()) > 0

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
-import subprocess
-import sys
 import time
 import weakref
 
@@ -25,8 +22,6 @@ from lightning_swarm.discovery import PeerRecord, PeerState
 from lightning_swarm.errors import StageBusyError
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.optimizer import swarm_optimizer
-from lightning_swarm.server import device_memory
-from lightning_swarm.server.device_memory import EXPANDABLE
 from lightning_swarm.server.kept_activations import counting_saved_bytes, default_max_bytes
 from lightning_swarm.server.stage_server import StageServer
 from lightning_swarm.strategy import SwarmStrategy
@@ -346,32 +341,6 @@ def test_a_gpu_server_reports_its_memory_and_writes_a_snapshot_when_out_of_memor
     finally:
         server.shutdown()
         torch.cuda.memory._record_memory_history(enabled=None)
-
-
-@pytest.mark.parametrize("user", [None, "", "garbage_collection_threshold:0.8"])
-def test_a_peer_prefers_expandable_segments_unless_the_user_configured_the_allocator(monkeypatch, user):
-    for name in device_memory.ALLOCATOR_ENV:  # restored after the test, whatever the strategy writes
-        monkeypatch.setenv(name, "before")
-        monkeypatch.delenv(name)
-    if user is not None:
-        monkeypatch.setenv("PYTORCH_ALLOC_CONF", user)
-    SwarmStrategy(run_id=RUN)
-    expected = {"PYTORCH_ALLOC_CONF": user} if user is not None else {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE}
-    assert {name: os.environ[name] for name in device_memory.ALLOCATOR_ENV if name in os.environ} == expected
-
-
-@needs_gpu
-def test_a_gpu_peer_allocates_in_expandable_segments():
-    script = (
-        "import torch\n"
-        "from lightning_swarm.strategy import SwarmStrategy\n"
-        "SwarmStrategy(run_id='memory_test')\n"
-        "x = torch.ones(1 << 20, device='cuda')\n"
-        "print(all(s.get('is_expandable') for s in torch.cuda.memory_snapshot()))\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k not in device_memory.ALLOCATOR_ENV}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert done.stdout.strip().splitlines()[-1:] == ["True"], done.stderr
 
 
 def test_averaged_gradients_are_loaded_onto_the_parameters_device_after_zero_grad():
