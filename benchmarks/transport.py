@@ -276,7 +276,7 @@ def main() -> None:
     a = parser.parse_args()
     sizes = [int(s * MiB) for s in ([0.25, 4] if a.smoke else a.sizes_mib)]
     repeats = 1 if a.smoke else a.repeats
-    context = mp.get_context("spawn")
+    context = mp.get_context("fork")  # the servers start with this process's imports (a spawned one re-imports them)
     servers, addresses = [], {}
     try:
         for name in TRANSPORTS:
