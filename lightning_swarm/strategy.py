@@ -45,7 +45,6 @@ from lightning_swarm.events import EventQueue
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.optimizer import PerTrainerBatch, SwarmOptimizer, swarm_optimizer, target_batch_size
 from lightning_swarm.precision import check_precision
-from lightning_swarm.server import device_memory
 from lightning_swarm.server.out_of_core import prepare_stage
 from lightning_swarm.server.stage_host import LEAVE_GRACE, Stage, StageHost
 from lightning_swarm.settings import Role, SwarmSettings, Wiring
@@ -117,7 +116,6 @@ class SwarmStrategy(Strategy):
         throttle: Optional[float] = None,
     ) -> None:
         super().__init__()
-        device_memory.prefer_expandable_segments()  # before Lightning starts CUDA on the device
         self.settings = SwarmSettings.from_env(**{k: v for k, v in locals().items() if k in settings.names()})
         self.parallel_devices: Optional[list[torch.device]] = None  # filled in by Lightning's connector
 

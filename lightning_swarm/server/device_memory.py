@@ -9,11 +9,6 @@ With ``SWARM_MEMORY_SNAPSHOT=<path>`` in its environment, a server records the d
 Python stack traces (C++ frames would start addr2line processes at each dump, still running seconds later on an
 H200) and writes PyTorch's memory snapshot to ``<path>`` when a request runs out of memory and when the server
 stops: open it at https://pytorch.org/memory_viz to see which tensors were alive at the peak.
-
-:func:`prefer_expandable_segments` turns on the allocator's expandable segments in a swarm peer, unless the user
-configured the allocator: a stage holds tensors of many sizes for a while (kept activations of microbatches of
-several sizes, decoded requests, replies), and with fixed segments the cache it reserves grew to 1.5x what it
-allocated on an H200 (benchmarks/RESULTS.md, "gpu").
 """
 
 from __future__ import annotations
@@ -28,18 +23,6 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT_ENV = "SWARM_MEMORY_SNAPSHOT"
 SNAPSHOT_ENTRIES = 200_000  # allocation events kept by the recorder (the oldest are forgotten)
-ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the allocator's settings (old and new name)
-EXPANDABLE = "expandable_segments:True"
-
-
-def prefer_expandable_segments() -> bool:
-    """Configure CUDA's caching allocator with expandable segments, through its environment variable, if the user
-    set neither of its variables (an empty one included: that is how to keep PyTorch's default) and CUDA has not
-    started in this process (the allocator reads its settings once). Returns whether it did."""
-    if any(name in os.environ for name in ALLOCATOR_ENV) or torch.cuda.is_initialized():
-        return False
-    os.environ[ALLOCATOR_ENV[0]] = EXPANDABLE
-    return True
 
 
 def usage(device: torch.device) -> dict[str, int]:
