@@ -373,6 +373,29 @@ def cancel_round(control: StepControl) -> None:
         pass
 
 
+class PartialGroup(dict):
+    """The result of an averaging round whose all-reduce lost some parts: its group's gathered data, as hivemind
+    returns it for a complete round."""
+
+
+class _FlagsPartialRounds(DecentralizedAverager):
+    """An averager whose rounds say when their all-reduce lost parts of the tensors.
+
+    When a partner fails to reduce its part (its stream broke, or timed out), hivemind keeps this peer's own values
+    for that part, logs "received N% results" and returns the group as for a complete round: the partners' tensors
+    then differ where those parts are, and an optimizer that averages the parameters only after a round that missed
+    a partner let them stay apart. Here such a round returns a :class:`PartialGroup`.
+    """
+
+    async def _aggregate_with_group(self, group_info: Any, *args: Any, **kwargs: Any) -> Any:
+        gathered = await super()._aggregate_with_group(group_info, *args, **kwargs)
+        running = self._running_groups.get(group_info.group_id)  # registered until the round's step ends
+        runner = running.result() if running is not None and running.done() else None
+        if runner is not None and runner.tensor_part_container.failed_size:
+            return PartialGroup(gathered)
+        return gathered
+
+
 class _BoundedMatchmaking(DecentralizedAverager):
     """An averager whose rounds stop looking for a group shortly after their scheduled start.
 
@@ -424,7 +447,7 @@ class _BoundedMatchmaking(DecentralizedAverager):
         self._matchmaking.potential_leaders.target_group_size = size
 
 
-class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaking):
+class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaking, _FlagsPartialRounds):
     """hivemind's gradient averager, started by fork, with :class:`_BoundedMatchmaking`'s rounds; a pre-scheduled
     round keeps looking until the optimizer triggers it, which then bounds it (:meth:`assembles`).
 
@@ -460,7 +483,9 @@ class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaki
         return True
 
 
-class ConsistentStateAverager(_StartsByFork, TrainingStateAverager, _NotesDownloads, _BoundedMatchmaking):
+class ConsistentStateAverager(
+    _StartsByFork, TrainingStateAverager, _NotesDownloads, _BoundedMatchmaking, _FlagsPartialRounds
+):
     """hivemind's state averager, made to hand out a state that matches the epoch it is labelled with.
 
     hivemind raises a peer's epoch when it schedules a step, then runs the step in a background thread (all of it
@@ -628,6 +653,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             # a partner's state at its next step (or idle moment)
             complete = averaged.done() and not averaged.cancelled()
             complete = complete and averaged.exception() is None and len(averaged.result()) >= self._expected_group
+            complete = complete and not isinstance(averaged.result(), PartialGroup)
             self._out_of_sync = not complete
         self.steps += 1
         self.pace.target_batch_size = self.tracker.target_batch_size  # it follows the trainers, unless given
@@ -653,7 +679,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         if assembled and control.done() and control.exception() is None and not self._no_weight_in_group(control):
             size = len(control.result())
             self.allreduce_sizes[size] += 1
-            if size < self._expected_group:  # the partners left out stepped alone: average the parameters
+            if size < self._expected_group or isinstance(control.result(), PartialGroup):
+                # the partners left out stepped alone, or parts of the gradients were averaged with no partner's
                 self._average_state_with_partners()
             return
         self._average_state_with_partners()  # this peer steps alone: its parameters leave the others'

@@ -14,19 +14,22 @@ import time
 from concurrent.futures import InvalidStateError
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
 from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.optimizer import (
     BoundedGradientAverager,
     CountingProgressTracker,
+    PartialGroup,
     StepPace,
     SwarmOptimizer,
     TrainerCount,
@@ -392,16 +395,21 @@ def progress(epoch: int, samples: int, peer: str) -> LocalTrainingProgress:
 
 @contextmanager
 def two_averagers(
-    prefix: str, parameters: list[torch.nn.Parameter], matchmaking: float = MATCHMAKING, **kwargs
+    prefix: str,
+    parameters: list[torch.nn.Parameter],
+    matchmaking: float = MATCHMAKING,
+    kinds: tuple[type, type] = (BoundedGradientAverager, BoundedGradientAverager),
+    **kwargs,
 ) -> Iterator[list[BoundedGradientAverager]]:
-    """Two gradient averagers, one per parameter, on two DHT nodes that know each other; shut down after."""
+    """Two gradient averagers (of ``kinds``), one per parameter, on two DHT nodes that know each other; shut down
+    after."""
     first = SwarmNode().start()
     nodes = [first, SwarmNode(first.visible_maddrs()).start()]
     averagers = []
     try:
-        for parameter, node in zip(parameters, nodes):
+        for parameter, node, kind in zip(parameters, nodes, kinds):
             averagers.append(
-                BoundedGradientAverager(
+                kind(
                     [parameter],
                     dht=node.dht,
                     prefix=prefix,
@@ -437,6 +445,47 @@ def test_a_pre_scheduled_round_triggered_late_still_meets_its_partner():
         for control in (early, on_time):
             control.allow_allreduce()
         assert [len(control.result(timeout=60.0)) for control in (early, on_time)] == [2, 2]
+
+
+class _BreaksOffItsReductions(BoundedGradientAverager):
+    """A partner whose reducer reduces each part sent to it, then breaks the stream before sending the result."""
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str, method_name: str) -> str:  # hivemind names them after the class
+        return BoundedGradientAverager._get_handle_name(namespace, method_name)
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super().rpc_aggregate_part(stream, context):
+            raise ConnectionError(f"the reducer broke off before sending {message.code}")
+            yield message  # hivemind's handler is an async generator
+
+
+def test_a_round_that_lost_part_of_its_all_reduce_says_so():
+    """Each peer's reducer breaks off after reducing its part: hivemind keeps a peer's own values for the parts it
+    got no result for and returns the group as for a complete round (the peers' gradients then differ there). The
+    averager returns such a round as a PartialGroup, so that the optimizer averages the parameters after the step; a
+    peer whose parts all came back averaged (all of them its own to reduce: hivemind may give one peer the whole
+    tensor) gets its group as before."""
+    parameters = [torch.nn.Parameter(torch.zeros(100_000)) for _ in range(2)]
+    kinds = (_BreaksOffItsReductions, _BreaksOffItsReductions)
+    with two_averagers("partial", parameters, kinds=kinds, target_group_size=2) as averagers:
+        for averager, value in zip(averagers, (1.0, 3.0)):
+            with averager.get_tensors() as (accumulator,):
+                accumulator.fill_(value)
+        controls = [averager.schedule_step(timeout=60.0) for averager in averagers]
+        for control in controls:
+            control.allow_allreduce()
+        results = [control.result(timeout=60.0) for control in controls]
+        assert [len(r) for r in results] == [2, 2] and any(isinstance(r, PartialGroup) for r in results), results
+        for averager, result, own in zip(averagers, results, (1.0, 3.0)):
+            with averager.get_tensors() as (averaged,):
+                values = set(averaged.tolist())
+            if isinstance(result, PartialGroup):
+                assert own in values and values <= {own, 2.0}, values  # its own values where no result came
+            else:
+                assert type(result) is dict and values == {2.0}, (result, values)
 
 
 IDLE_PEER = """
@@ -523,6 +572,36 @@ class JoinedWithoutWeight:
 
     def result(self, timeout: float | None = None) -> dict:
         return {b"a": None, b"b": None}
+
+
+class Finished(JoinedWithoutWeight):
+    """The control of a round this peer joined with its samples, over, with ``result``."""
+
+    weight = 4
+
+    def __init__(self, result: dict) -> None:
+        self._result = result
+
+    def result(self, timeout: float | None = None) -> dict:
+        return self._result
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["complete", "partial"])
+def test_a_synchronous_peer_averages_its_parameters_after_a_round_that_lost_parts(partial):
+    """A round of the whole expected group whose all-reduce lost parts (a PartialGroup) is followed by a parameter
+    round with the partners, as a round that missed a partner is; a complete one is not. Both count as rounds of
+    their size."""
+    node = SwarmNode().start()
+    model, optimizer = _optimizer(node, 0, "partial_round")
+    try:
+        optimizer._expected_group = optimizer.average_state_every = 2
+        group = {b"a": None, b"b": None}
+        optimizer._average_gradients_and_load_into_optimizer(Finished(PartialGroup(group) if partial else group))
+        assert (optimizer.average_state_every, dict(optimizer.allreduce_sizes)) == (1 if partial else 2, {2: 1})
+        assert optimizer.failed_rounds == 0
+    finally:
+        optimizer.shutdown()
+        node.shutdown()
 
 
 def test_a_round_of_peers_all_without_weight_averages_to_nan_and_a_joiner_then_steps_on_no_gradient():
