@@ -79,11 +79,12 @@ def test_requests_of_a_process_that_exited_do_not_stall_the_dht(tmp_path):
         node.shutdown()
 
 
-@pytest.mark.parametrize("error", [FileNotFoundError, ConnectionRefusedError, ConnectionResetError])
+@pytest.mark.parametrize("error", [FileNotFoundError, ConnectionRefusedError, ConnectionResetError, EOFError])
 def test_a_request_whose_pipe_cannot_be_fetched_is_dropped(error):
     """However fetching an orphaned request's reply pipe fails (the sender's resource sharer gone, refusing, or gone
-    mid-handover: a reset seen in a Python 3.14 run), the DHT process drops the request instead of raising into
-    hivemind, which logged it and slept 3 s."""
+    mid-handover: a reset seen in a Python 3.14 run, an end of file in a CI run), the DHT process drops the request
+    instead of raising into hivemind, which logged it and slept 3 s (an EOFError it does not catch ended the DHT
+    process)."""
 
     class Pipe:
         def recv(self):
