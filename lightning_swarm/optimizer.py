@@ -677,9 +677,9 @@ class SwarmOptimizer(hivemind.Optimizer):
         if assembled and control.cancelled():
             return  # cancelled by this peer catching up with the others: not a failed round
         if assembled and control.done() and control.exception() is None and not self._no_weight_in_group(control):
-            size = len(control.result())
-            self.allreduce_sizes[size] += 1
-            if size < self._expected_group or isinstance(control.result(), PartialGroup):
+            group = control.result()
+            self.allreduce_sizes[len(group)] += 1
+            if len(group) < self._expected_group or isinstance(group, PartialGroup):
                 # the partners left out stepped alone, or parts of the gradients were averaged with no partner's
                 self._average_state_with_partners()
             return
