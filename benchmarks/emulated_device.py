@@ -522,23 +522,25 @@ def install(device: EmulatedDevice) -> None:
         device.memory_kernel(n * (tensor.element_size() + 1), CODEC, launches=2)
         return _zeros_of(n, torch.uint8).view(tensor.shape), _zeros_of(-(-n // blocks), torch.float32)
 
-    def emulated_dequantize(codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def emulated_dequantize(
+        codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         if not getattr(_decoding, "device", False):
-            return dequantize(codes, absmax, dtype)  # on the host: the real thing
+            return dequantize(codes, absmax, dtype, out)  # on the host: the real thing
         nbytes = codes.numel() + 4 * absmax.numel()
         staging = torch.empty(nbytes, dtype=torch.uint8)  # raw.pin_memory(): a host copy into a staging buffer
         staging[: codes.numel()].copy_(codes.reshape(-1))
         staging[codes.numel() :].copy_(absmax.reshape(-1).view(torch.uint8))
         device.copy_async(nbytes)
         device.memory_kernel(codes.numel() * (1 + torch.finfo(dtype).bits // 8), CODEC, launches=2)
-        return torch.empty(codes.shape, dtype=dtype)
+        return torch.empty(codes.shape, dtype=dtype) if out is None else out
 
-    def emulated_deserialize(message: Any, device: Any = None) -> torch.Tensor:
-        if device is None:
-            return deserialize(message)
+    def emulated_deserialize(message: Any, device: Any = None, out: Any = None, divide: float = 1.0) -> torch.Tensor:
+        if device is None and out is None:
+            return deserialize(message, divide=divide)
         _decoding.device = True
         try:
-            return deserialize(message, device)
+            return deserialize(message, device, out, divide)
         finally:
             _decoding.device = False
 

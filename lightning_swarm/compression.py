@@ -29,7 +29,7 @@ import math
 import threading
 import warnings
 from types import ModuleType
-from typing import Any, Literal, NamedTuple, Sequence, Union
+from typing import Any, Literal, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -88,41 +88,63 @@ def to_message(tensor: Union[WireTensor, runtime_pb2.Tensor]) -> runtime_pb2.Ten
     return runtime_pb2.Tensor(buffer=buffer, size=tensor.size, dtype=tensor.dtype, compression=tensor.compression)
 
 
-def encode(tensor: torch.Tensor, codec: str) -> WireTensor:
-    """Encode ``tensor`` for the wire, compressing on its own device. Integer and bf16-under-float16 tensors are
-    sent as they are."""
+def encode(tensor: torch.Tensor, codec: str, scale: float = 1.0) -> WireTensor:
+    """Encode ``tensor`` times ``scale`` for the wire, compressing on its own device. Integer and
+    bf16-under-float16 tensors are sent as they are. Under 8 bits the scale goes into the blocks' absmax, with no pass
+    over the values (nor a scaled copy of them)."""
     compression = CODECS[codec]
     tensor = tensor.detach()
     name = _dtype_name(tensor.dtype)
     if not tensor.is_floating_point() or (codec == "float16" and tensor.dtype == torch.bfloat16):
         compression = runtime_pb2.CompressionType.NONE
+    if scale != 1.0 and not tensor.is_floating_point():
+        raise ValueError(f"a {tensor.dtype} tensor cannot be sent scaled")
+    if scale != 1.0 and compression != runtime_pb2.CompressionType.BLOCKWISE_8BIT:
+        tensor = tensor * scale
     if compression == runtime_pb2.CompressionType.NONE:
         buffer = _host_bytes(tensor)
     elif compression == runtime_pb2.CompressionType.FLOAT16:
         buffer = _host_bytes(tensor.to(torch.float16, copy=True).clamp_(FP16_MIN, FP16_MAX))
     else:
         codes, absmax = _quantize(tensor)
+        absmax = absmax if scale == 1.0 else absmax * scale
         buffer, name = _host_bytes(absmax, codes), name + EIGHT_BIT_TAG
     return WireTensor(buffer, list(tensor.shape), name, compression)
 
 
 def deserialize(
-    message: Union[WireTensor, runtime_pb2.Tensor], device: Union[torch.device, str, None] = None
+    message: Union[WireTensor, runtime_pb2.Tensor],
+    device: Union[torch.device, str, None] = None,
+    out: Optional[torch.Tensor] = None,
+    divide: float = 1.0,
 ) -> torch.Tensor:
-    """Decode a message written by ``serialize`` (on the CPU, or on ``device``); ``ValueError`` if it is malformed."""
-    device = torch.device("cpu" if device is None else device)
+    """Decode a message written by ``serialize`` (on the CPU, or on ``device``), divided by ``divide``; ``ValueError``
+    if it is malformed. With ``out`` (contiguous, of the message's shape and dtype), the values are written there,
+    on its device, and ``out`` is returned: a caller assembling several messages into one tensor copies nothing
+    more. Under 8 bits the division goes into the blocks' absmax, with no pass over the values."""
+    device = out.device if out is not None else torch.device("cpu" if device is None else device)
     shape = tuple(message.size)  # unsigned on the wire
     dtype, length = _layout(message)
+    if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous()):
+        raise ValueError(f"cannot decode a {dtype} tensor of shape {list(shape)} into {out.dtype} {list(out.shape)}")
     raw = _view(message.buffer, length)  # each read of .buffer copies it: read once
+    if message.compression == runtime_pb2.CompressionType.BLOCKWISE_8BIT:
+        raw, blocks = _to(raw, device), -(-math.prod(shape) // BLOCK_SIZE)
+        absmax = raw[: 4 * blocks].view(torch.float32)
+        absmax = absmax if divide == 1.0 else absmax / divide
+        decoded = _dequantize(raw[4 * blocks :], absmax, dtype, out)
+        return out if out is not None else decoded.reshape(shape)
     if message.compression == runtime_pb2.CompressionType.NONE:
         if dtype == torch.bool and bool((raw > 1).any()):
             raise ValueError("bool tensor with bytes other than 0 and 1")
-        return _owned(_to(raw, device), raw).view(dtype).reshape(shape)
-    if message.compression == runtime_pb2.CompressionType.FLOAT16:
-        half = _to(raw, device).view(torch.float16)
-        return _owned(half.to(dtype), half).reshape(shape)
-    raw, blocks = _to(raw, device), -(-math.prod(shape) // BLOCK_SIZE)
-    return _dequantize(raw[4 * blocks :], raw[: 4 * blocks].view(torch.float32), dtype).reshape(shape)
+        decoded = _to(raw, device).view(dtype).reshape(shape)
+    else:
+        decoded = _to(raw, device).view(torch.float16).reshape(shape)
+    if out is not None:
+        out.copy_(decoded)
+        return out if divide == 1.0 else out.div_(divide)
+    decoded = decoded.to(dtype)
+    return decoded / divide if divide != 1.0 else _owned(decoded, raw)
 
 
 def check_framing(message: Union[WireTensor, runtime_pb2.Tensor]) -> None:
@@ -189,8 +211,8 @@ def _to(raw: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _owned(tensor: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
-    """``tensor``, copied if it is still the read-only ``view`` of a message's bytes."""
-    return tensor.clone() if tensor is view else tensor
+    """``tensor``, copied if it still shares the read-only ``view`` of a message's bytes."""
+    return tensor.clone() if tensor.data_ptr() == view.data_ptr() else tensor
 
 
 _IMPORT_LOCK = threading.Lock()
@@ -227,10 +249,15 @@ def _quantize(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, state.absmax.float()
 
 
-def _dequantize(codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize(
+    codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     if codes.numel() == 0:
-        return torch.empty(codes.shape, dtype=dtype, device=codes.device)
+        return torch.empty(codes.shape, dtype=dtype, device=codes.device) if out is None else out
     decoded_dtype = dtype if dtype in _QUANTIZABLE else torch.float32
     bnb = _bitsandbytes()
     state = bnb.QuantState(absmax=absmax, code=_code_table(codes.device), blocksize=BLOCK_SIZE, dtype=decoded_dtype)
-    return bnb.dequantize_blockwise(codes, state).to(dtype)
+    if out is not None and dtype == decoded_dtype and codes.is_cuda:  # bitsandbytes' CPU kernel has no out variant
+        return bnb.dequantize_blockwise(codes, state, out=out.view(codes.shape))
+    decoded = bnb.dequantize_blockwise(codes, state).to(dtype)
+    return decoded if out is None else out.copy_(decoded.view(out.shape))

@@ -88,6 +88,18 @@ class Segment:
     training: bool
 
 
+@dataclass(frozen=True)
+class Landing:
+    """Where this process decodes a microbatch's last reply: on ``device``, into ``out`` (its slice of the tensor
+    that assembles the batch; None: a tensor of its own), divided by ``scale``. A backward sends the microbatch's
+    output gradient times ``scale`` (the gradient of its own mean loss: the stages accumulate those) and divides the
+    input gradient that comes back by it."""
+
+    device: torch.device
+    out: Optional[torch.Tensor] = None
+    scale: float = 1.0
+
+
 @dataclass
 class Route:
     """A microbatch's way through the hops: each hop's stage, input (as sent) and side inputs, the peer that ran it,
@@ -173,16 +185,30 @@ class RemotePipeline(nn.Module):
         encoded: dict[int, tuple[torch.Tensor, compression.WireTensor]] = {}
         sides = [self._side_requests(hops, calls, encoded) for _, calls in parts]
         train = self.training if segment is None else segment.training
+        xs, last = [x for x, _ in parts], hops[-1][1]
         n = len(parts)
-        results = self._map(self._forward_route, [x for x, _ in parts], sides, [hops] * n, [keep] * n, [train] * n)
-        return torch.cat([output for output, _ in results]).to(inputs.device), [route for _, route in results]
+        if last.output is not None and self.exact_dtype:  # the replies' shape and dtype are known: decoded in place
+            output = inputs.new_empty([int(inputs.shape[0]), *last.output.shape[1:]], dtype=last.output.dtype)
+            landings = [Landing(inputs.device, out) for out in output.split([int(x.shape[0]) for x in xs])]
+        else:
+            output, landings = None, [Landing(inputs.device)] * n
+        results = self._map(self._forward_route, xs, sides, [hops] * n, [keep] * n, [train] * n, landings)
+        if output is None:
+            output = torch.cat([decoded for decoded, _ in results]).to(inputs.device)
+        return output, [route for _, route in results]
 
     def run_backward(self, grad_outputs: torch.Tensor, routes: list[Route]) -> torch.Tensor:
-        """Backward through the hops along the routes of ``run_forward``, microbatches concurrently."""
-        scale = len(routes)  # equal microbatches: the gradient of a microbatch's own mean loss is scale times its part
-        grads = [grad * scale for grad in grad_outputs.detach().chunk(scale)]
+        """Backward through the hops along the routes of ``run_forward``, microbatches concurrently; their input
+        gradients are decoded into one tensor."""
+        first, scale = routes[0].inputs[0], len(routes)  # equal microbatches
+        sizes = [int(route.inputs[0].size[0]) for route in routes]
+        shape, dtype = [sum(sizes), *first.size[1:]], compression.decoded_dtype(first)
+        grad_inputs = grad_outputs.new_empty(shape, dtype=dtype)
+        landings = [Landing(grad_outputs.device, out, scale) for out in grad_inputs.split(sizes)]
         loss_scale = self.loss_scale() if self.loss_scale is not None else None
-        return torch.cat(self._map(self._backward_route, grads, routes, [loss_scale] * scale)) / scale
+        grads = list(grad_outputs.detach().chunk(scale))
+        self._map(self._backward_route, grads, routes, [loss_scale] * scale, landings)
+        return grad_inputs
 
     def close(self) -> None:
         if self._pool is not None:
@@ -247,10 +273,10 @@ class RemotePipeline(nn.Module):
             return list(map(fn, *iterables))
         return list(self._pool.map(fn, *iterables))
 
-    def _reply_check(self, batch: int, hop: Hop, device: Optional[torch.device]) -> ReplyCheck:
+    def _reply_check(self, batch: int, hop: Hop, landing: Optional[Landing]) -> ReplyCheck:
         shape = None if hop.output is None else [batch, *hop.output.shape[1:]]
         dtype = hop.output.dtype if hop.output is not None and self.exact_dtype else None
-        return ReplyCheck(batch, shape, dtype, device=device)
+        return _check_at(landing, batch, shape, dtype)
 
     def _forward_route(
         self,
@@ -259,18 +285,20 @@ class RemotePipeline(nn.Module):
         hops: list[tuple[int, Hop]],
         keep: bool = False,
         train: bool = True,
+        landing: Optional[Landing] = None,
     ) -> tuple[torch.Tensor, Route]:
-        """One microbatch through the hops; the last reply is decoded on the input's device, the others go on to the
-        next stage unread (by this process, or under chain wiring by each stage's peer: if that chain breaks, the
-        microbatch is sent again relayed here). A stage that finds NaN or Inf in the activation relayed to it blames
-        the peer that sent it: that hop runs again on another peer."""
+        """One microbatch through the hops; the last reply is decoded at ``landing`` (by default a tensor of its own on
+        the input's device), the others go on to the next stage unread (by this process, or under chain wiring by
+        each stage's peer: if that chain breaks, the microbatch is sent again relayed here). A stage that finds NaN or
+        Inf in the activation relayed to it blames the peer that sent it: that hop runs again on another peer."""
+        landing = landing or Landing(inputs.device)
         hidden = compression.encode(inputs, self.codec)
         self.router.stats.add(samples_sent=int(inputs.shape[0]) if inputs.ndim else 1)
         broken: Optional[Exception] = None
         if self.wiring == "chain" and len(hops) > 1:
             route = Route(train, [hop.stage for _, hop in hops], [hidden] + [None] * (len(hops) - 1), sides=sides)
             route.keys = [uuid.uuid4().hex if keep else None for _ in hops]
-            check = self._reply_check(int(hidden.size[0]), hops[-1][1], inputs.device)
+            check = self._reply_check(int(hidden.size[0]), hops[-1][1], landing)
             try:
                 self._chain_forward(hidden, route, check)
                 self.router.stats.add(chained=1)
@@ -286,7 +314,7 @@ class RemotePipeline(nn.Module):
             index = len(route.peers)
             (_, hop), side = hops[index], sides[index]
             key = uuid.uuid4().hex if keep else None
-            check = self._reply_check(int(hidden.size[0]), hop, inputs.device if index == len(hops) - 1 else None)
+            check = self._reply_check(int(hidden.size[0]), hop, landing if index == len(hops) - 1 else None)
             extra = _parts(side)
             if side is not None:
                 self.router.stats.add(side_bytes_sent=protocol.payload_bytes(side.tensors))
@@ -355,7 +383,7 @@ class RemotePipeline(nn.Module):
             raise _ChainStopped(Receipt(stopped=True, failovers=[failed], error=repr(e))) from e
 
     def _chain_backward(
-        self, hop: int, grad: runtime_pb2.Tensor, route: Route, loss_scale: Optional[float], device: torch.device
+        self, hop: int, grad: runtime_pb2.Tensor, route: Route, loss_scale: Optional[float], landing: Landing
     ) -> tuple[int, runtime_pb2.Tensor, Optional[torch.Tensor], BaseException | str]:
         """Backward from ``hop`` down to the first hop, stage to stage along the peers that kept the forwards.
         Returns ``(-1, input gradient, decoded, "")`` if it got there; else the hop whose peer could not take it,
@@ -391,7 +419,7 @@ class RemotePipeline(nn.Module):
                 return hop, grad, None, failed
             return reached - 1, parked, None, receipt.receipt.error
         first = route.inputs[0]
-        check = ReplyCheck(batch, first.size, compression.decoded_dtype(first), loss_scale is None, device=device)
+        check = _check_at(landing, batch, first.size, compression.decoded_dtype(first), loss_scale is None)
         parked, failed = self._collect_parked(hop, route, 0, metadata["parcel"], check)
         return (-1, parked, check.decoded, "") if parked is not None else (hop, grad, None, failed)
 
@@ -433,18 +461,18 @@ class RemotePipeline(nn.Module):
                 self.router.failed_over(stage, method, failed, retried_on, error)
 
     def _backward_route(
-        self, grad_outputs: torch.Tensor, route: Route, loss_scale: Optional[float] = None
+        self, grad_outputs: torch.Tensor, route: Route, loss_scale: Optional[float], landing: Landing
     ) -> torch.Tensor:
-        """One microbatch back through its route; only the first hop's input gradient is decoded (on the output
-        gradient's device). A stage that finds NaN or Inf in the gradient relayed to it (never under a loss scale,
-        where NaN reports an overflow) blames the peer that computed it: that hop runs again on another peer."""
+        """One microbatch back through its route; only the first hop's input gradient is decoded (at ``landing``).
+        A stage that finds NaN or Inf in the gradient relayed to it (never under a loss scale, where NaN reports an
+        overflow) blames the peer that computed it: that hop runs again on another peer."""
         if any(hidden is None for hidden in route.inputs):
-            return self._backward_chain_route(grad_outputs, route, loss_scale)
-        grads, hop, blamed = [compression.encode(grad_outputs, self.codec)], len(route.peers) - 1, 0
+            return self._backward_chain_route(grad_outputs, route, loss_scale, landing)
+        grads = [compression.encode(grad_outputs, self.codec, landing.scale)]
+        hop, blamed = len(route.peers) - 1, 0
         while hop >= 0:
-            device = grad_outputs.device if hop == 0 else None
             try:
-                grad, decoded = self._backward_hop(hop, grads[-1], route, loss_scale, device)
+                grad, decoded = self._backward_hop(hop, grads[-1], route, loss_scale, landing if hop == 0 else None)
             except NonFiniteInputError:
                 if hop == len(route.peers) - 1 or blamed >= self.router.max_retries:
                     raise
@@ -459,20 +487,19 @@ class RemotePipeline(nn.Module):
         return decoded
 
     def _backward_chain_route(
-        self, grad_outputs: torch.Tensor, route: Route, loss_scale: Optional[float]
+        self, grad_outputs: torch.Tensor, route: Route, loss_scale: Optional[float], landing: Landing
     ) -> torch.Tensor:
         """One microbatch back along a chained route. Where a hop's peer could not take its gradient, that hop is
         recomputed on a peer of its stage from its input (sent again through the hops before it, unkept, if this
         process does not hold it) and the chain goes on from the hop before."""
-        grad, hop = compression.encode(grad_outputs, self.codec), len(route.peers) - 1
+        grad, hop = compression.encode(grad_outputs, self.codec, landing.scale), len(route.peers) - 1
         while True:
-            hop, grad, decoded, failed = self._chain_backward(hop, grad, route, loss_scale, grad_outputs.device)
+            hop, grad, decoded, failed = self._chain_backward(hop, grad, route, loss_scale, landing)
             if hop < 0:
                 return decoded
             if route.inputs[hop] is None:
                 route.inputs[hop] = self._chain_input(hop, route)
-            device = grad_outputs.device if hop == 0 else None
-            grad, decoded = self._backward_hop(hop, grad, route, loss_scale, device, failed)
+            grad, decoded = self._backward_hop(hop, grad, route, loss_scale, landing if hop == 0 else None, failed)
             if hop == 0:
                 return decoded
             hop -= 1
@@ -493,17 +520,17 @@ class RemotePipeline(nn.Module):
         grad: runtime_pb2.Tensor,
         route: Route,
         loss_scale: Optional[float],
-        device: Optional[torch.device] = None,
+        landing: Optional[Landing] = None,
         failed: Optional[BaseException | str] = None,
     ) -> tuple[runtime_pb2.Tensor, Optional[torch.Tensor]]:
         """Backward on the peer that kept the forward; else recompute on a peer of the stage from the input (and the
-        side inputs). Returns the input gradient as it came and, with ``device``, decoded there. ``failed``: that
+        side inputs). Returns the input gradient as it came and, with ``landing``, decoded there. ``failed``: that
         peer is already known not to take it (chain wiring): why, or ``""`` if it dropped the graph."""
         stage, peer = route.stages[hop], route.peers[hop]
         scaled = {} if loss_scale is None else {"loss_scale": loss_scale}
         inputs = route.inputs[hop]  # the input gradient must be shaped like it; NaN reports an overflow
-        check = ReplyCheck(
-            int(inputs.size[0]), inputs.size, compression.decoded_dtype(inputs), loss_scale is None, device=device
+        check = _check_at(
+            landing, int(inputs.size[0]), inputs.size, compression.decoded_dtype(inputs), loss_scale is None
         )
         if failed is None and route.keys[hop] is not None:
             try:
@@ -581,6 +608,19 @@ class _RemoteStages(torch.autograd.Function):
         if not ctx.needs_input_grad[2]:
             return None, None, None, None
         return None, None, grad_inputs.to(device=ctx.input_device, dtype=ctx.input_dtype), None
+
+
+def _check_at(
+    landing: Optional[Landing],
+    batch: int,
+    shape: Optional[Sequence[int]],
+    dtype: Optional[torch.dtype],
+    finite: bool = True,
+) -> ReplyCheck:
+    """A reply's check: without ``landing`` its header and framing only (it goes on unread), with it decoded there."""
+    if landing is None:
+        return ReplyCheck(batch, shape, dtype, finite)
+    return ReplyCheck(batch, shape, dtype, finite, device=landing.device, out=landing.out, divide=landing.scale)
 
 
 def _parts(side: Optional[Request]) -> tuple[list[runtime_pb2.Tensor], dict]:

@@ -67,9 +67,10 @@ Reply = list[runtime_pb2.Tensor]
 class ReplyCheck:
     """What a stage's reply must be: one floating-point tensor of ``batch`` samples; of exactly ``shape`` and
     ``dtype`` when given (a backward's input gradient is shaped like the stage's input); at most ``max_bytes``
-    decoded. With ``device`` set, the reply is decoded there (``decoded`` keeps the last reply that passed) and must
-    be finite unless ``finite`` is False (a backward under a loss scale reports an overflow as NaN). Without, only
-    its header and framing are checked: a reply relayed to another stage unread is validated by that stage, which
+    decoded. With ``device`` set, the reply is decoded there, divided by ``divide`` and into ``out`` if given (a
+    slice of the tensor that assembles the microbatches; ``decoded`` keeps the last reply that passed), and must be
+    finite unless ``finite`` is False (a backward under a loss scale reports an overflow as NaN). Without, only its
+    header and framing are checked: a reply relayed to another stage unread is validated by that stage, which
     refuses NaN or Inf with :class:`~lightning_swarm.errors.NonFiniteInputError`."""
 
     batch: int
@@ -78,6 +79,8 @@ class ReplyCheck:
     finite: bool = True
     max_bytes: int = MAX_REPLY_BYTES
     device: Optional[torch.device] = None
+    out: Optional[torch.Tensor] = field(default=None, repr=False)
+    divide: float = 1.0
     decoded: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
 
     def __call__(self, reply: Reply) -> None:
@@ -97,7 +100,7 @@ class ReplyCheck:
             if self.device is None:
                 compression.check_framing(reply[0])
                 return
-            tensor = compression.deserialize(reply[0], self.device)
+            tensor = compression.deserialize(reply[0], self.device, self.out, self.divide)
         except ValueError as e:
             raise BadReplyError(f"an undecodable reply: {e}") from None
         if self.finite and not device_sync.all_finite(tensor):

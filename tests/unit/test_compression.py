@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -152,6 +153,36 @@ def test_float16_is_exact_on_float16_values_and_leaves_the_input_alone():
     assert torch.equal(_round_trip(bf16, "float16")[0], bf16)
 
 
+@pytest.mark.parametrize("codec", ["none", "float16", "8bit"])
+def test_a_scaled_message_decodes_divided_into_its_slice_of_a_larger_tensor(codec):
+    """How the trainer sends a microbatch's gradient times the microbatch count and assembles the input gradients
+    that come back: the message carries the tensor times the scale; decoded into a slice of the batch's tensor and
+    divided, it writes that slice only, with the values of decoding then dividing (to rounding under 8 bits, where
+    the scale and the division go into the blocks' absmax: the codes are those of the unscaled tensor)."""
+    tensor = torch.randn(3, 5000)
+    scaled = compression.encode(tensor, codec, scale=3.0)
+    alone = compression.deserialize(scaled)
+    assert ((alone - 3 * tensor).abs() <= error_bound(3 * tensor, codec)).all()
+    whole = torch.full((9, 5000), math.nan)
+    assert compression.deserialize(scaled, out=whole[3:6], divide=3.0).data_ptr() == whole[3:6].data_ptr()
+    assert whole[:3].isnan().all() and whole[6:].isnan().all()
+    exact = 0 if codec != "8bit" else 1e-6
+    torch.testing.assert_close(whole[3:6], alone / 3, rtol=exact, atol=exact)
+    torch.testing.assert_close(compression.deserialize(scaled, divide=3.0), alone / 3, rtol=exact, atol=exact)
+    if codec == "8bit":
+        blocks = -(-tensor.numel() // compression.BLOCK_SIZE)
+        assert scaled.buffer[4 * blocks :] == compression.encode(tensor, codec).buffer[4 * blocks :]
+
+
+def test_decoding_into_a_tensor_of_another_shape_dtype_or_layout_is_refused():
+    message = compression.encode(torch.randn(4, 5), "8bit")
+    for out in (torch.empty(5, 4), torch.empty(4, 5, dtype=torch.float64), torch.empty(5, 4).t()):
+        with pytest.raises(ValueError, match="cannot decode"):
+            compression.deserialize(message, out=out)
+    with pytest.raises(ValueError, match="scaled"):
+        compression.encode(torch.arange(3), "none", scale=2.0)
+
+
 def test_none_and_float16_messages_are_hivemind_compatible():
     tensor = torch.randn(4, 9)
     for codec, kind in (("none", runtime_pb2.NONE), ("float16", runtime_pb2.FLOAT16)):
@@ -169,6 +200,16 @@ def test_gpu_tensors_encode_on_the_gpu_and_decode_onto_it(codec):
     on_gpu, on_cpu = compression.deserialize(message, "cuda"), compression.deserialize(message)
     assert on_gpu.device.type == "cuda" and on_cpu.device.type == "cpu" and torch.equal(on_gpu.cpu(), on_cpu)
     assert ((on_cpu - tensor.cpu()).abs() <= error_bound(tensor.cpu(), codec)).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("codec", ["none", "float16", "8bit"])
+def test_gpu_messages_decode_divided_into_their_slice_on_the_gpu(codec):
+    message = compression.encode(torch.randn(3, 64, 1000, device="cuda"), codec, scale=3.0)
+    whole = torch.full((9, 64, 1000), math.nan, device="cuda")
+    compression.deserialize(message, out=whole[3:6], divide=3.0)
+    assert whole[:3].isnan().all() and whole[6:].isnan().all()
+    torch.testing.assert_close(whole[3:6], compression.deserialize(message, "cuda") / 3, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -8,6 +8,7 @@ import threading
 import torch
 
 from lightning_swarm import compression
+from lightning_swarm.block_calls import MetaBlocks
 from lightning_swarm.client.remote_pipeline import RemotePipeline
 from lightning_swarm.client.routing import RouterStats
 
@@ -80,3 +81,24 @@ def test_the_pipeline_decodes_only_what_it_returns(monkeypatch):
         assert len(decoded) == 2 * 4 and torch.allclose(x.grad, torch.ones_like(x), atol=0.05)
     finally:
         pipeline.close()
+
+
+def test_the_batch_is_assembled_where_its_microbatches_replies_are_decoded(monkeypatch):
+    """Blocks known on the meta device, 3 microbatches: each reply is decoded straight into its slice of the batch's
+    output or input gradient (nothing concatenated), and the input gradient equals the old assembly's exactly: each
+    microbatch's output gradient sent times 3 (the gradient of its own mean loss), the replies divided by 3."""
+    joined = []
+    cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: joined.append(1) or cat(*a, **k))
+    meta = MetaBlocks([torch.nn.Identity(), torch.nn.Identity()])
+    pipeline = RemotePipeline(EchoRouter(), codec="none", microbatches=3, spans=[(0, 1), (1, 2)], meta=meta)
+    try:
+        x = torch.randn(9, 5, requires_grad=True)
+        y = pipeline(x)
+        weights = torch.randn(9, 5)
+        (y * weights).sum().backward()
+    finally:
+        pipeline.close()
+    assert joined == []
+    assert torch.equal(y, x)
+    assert torch.equal(x.grad, cat([part * 3 / 3 for part in weights.chunk(3)]))
