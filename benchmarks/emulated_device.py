@@ -9,12 +9,14 @@ lock (a thread lock and ``flock``). Clocks are ``time.monotonic()``, one clock f
   for its calibrated duration, so kernels of all processes run one at a time, in the order launched; launching it
   holds the GIL for its launch cost (a spin), as eager PyTorch's launches do, and a kernel shorter than its launch
   cannot finish before the launch does.
-- Each process has a compute stream, and each thread that asks for one (``device_sync.side_stream``: a stage
-  server's decoding and encoding) a side stream of its own. An asynchronous copy (:meth:`EmulatedDevice.copy_async`)
-  occupies its stream, not the device, and later kernels of that stream start after it. Kernels of every stream
-  still run in the order launched (a side stream's small kernel waits for the kernels queued before it, where a GPU
-  may slip it in between them: the emulation errs on the slow side); a sync of a side stream waits only for its
-  own work. Marks (``device_sync.mark``) are the time their stream reaches them; a stream made to wait for one
+- Each process has a default stream (the compute's), and each thread that asks for one
+  (``device_sync.side_stream``: a stage server's decoding and encoding) a stream of its own. An asynchronous copy
+  (:meth:`EmulatedDevice.copy_async`) occupies its stream, not the device, and later kernels of that stream start
+  after it. Kernels run in the order launched, except a codec's or a finiteness check's small kernel on a stream
+  other than the one its process computes the blocks on: as a GPU slips it in between the kernels of other streams,
+  it runs beside them from the end of the kernel running when it became ready (its stream's earlier work and the
+  marks it waits for done), without delaying the kernels queued behind that one. A sync of a stream waits only for
+  its own work. Marks (``device_sync.mark``) are the time their stream reaches them; a stream made to wait for one
   starts its next work after it.
 - A stream sync (:meth:`EmulatedDevice.synchronize`) sleeps, releasing the GIL, until the current stream's last
   enqueued work is done (the last 0.15 ms yielding instead of sleeping, so that its wake-up is not late by the
@@ -73,6 +75,7 @@ RECORD = np.dtype(
     ]
 )
 HEADER_BYTES = 64  # busy-until (f8) at 0, record count (i8) at 8, records dropped past capacity (i8) at 16
+BESIDE_SCAN = 4096  # the latest records searched for the kernel running when a kernel beside it became ready
 
 # record kinds: device kernels (their time is the device's busy time)
 BLOCK_FORWARD, BLOCK_BACKWARD, CODEC, FINITE, LOCAL, OPTIMIZER = 1, 2, 3, 4, 5, 6
@@ -198,6 +201,22 @@ class Timeline:
         self.append(start, end, proc, kind, key, 0, value, extra)
         return end
 
+    def enqueue_beside(
+        self, seconds: float, earliest: float, after: float, proc: int, kind: int, key: int = 0, value: float = 0.0
+    ) -> float:
+        """Put a small kernel of ``seconds`` beside the kernels queued (see the module docstring): from ``earliest``
+        and ``after`` (its stream's last work), or from the end of the kernel running then; marked ``key2`` = 1.
+        Returns when it ends (the lock held)."""
+        ready = max(earliest, after)
+        if ready >= float(self._busy[0]):
+            return self.enqueue(seconds, earliest, after, proc, kind, key, value)
+        recent = self._records[max(0, int(self._counts[0]) - BESIDE_SCAN) : int(self._counts[0])]
+        running = recent[np.isin(recent["kind"], KERNELS) & (recent["key2"] == 0)]
+        running = running[(running["t0"] <= ready) & (running["t1"] > ready)]
+        start = float(running["t1"].max()) if len(running) else ready
+        self.append(start, start + seconds, proc, kind, key, 1, value)
+        return start + seconds
+
     def records(self) -> np.ndarray:
         """A copy of the log so far."""
         with self.locked():
@@ -215,7 +234,8 @@ class EmulatedDevice:
     def __init__(self, timeline: Timeline, proc: int, calibration: Calibration) -> None:
         self.timeline, self.proc, self.cal = timeline, proc, calibration
         self._local = threading.local()  # the thread's stream (None: the compute stream); the request it computes
-        self._tails: dict[Optional[int], float] = {}  # per stream: when its last enqueued work (kernel, copy) ends
+        self._tails: dict[Optional[int], float] = {}  # per stream (None: the default): when its last work ends
+        self._compute_stream: Optional[int] = None  # the stream the blocks were last launched on
         self.optimizer_numel = 0  # the real model's parameter count behind this process's (one) optimizer
 
     @property
@@ -233,12 +253,16 @@ class EmulatedDevice:
         """Launch a kernel of ``seconds``: enqueued, then the launch's host time spent holding the GIL."""
         launch = self.cal.kernel_launch if launch is None else launch
         seconds = max(seconds, self.cal.kernel_min)
-        now = time.monotonic()
+        now, stream = time.monotonic(), getattr(self._local, "stream", None)
+        if kind in BLOCKS:
+            self._compute_stream = stream
         with self.timeline.locked():
             # launched over [now, now + launch]: the kernel cannot end before its launch does
-            self.tail = self.timeline.enqueue(
-                seconds, now + max(0.0, launch - seconds), self.tail, self.proc, kind, key, launch, extra
-            )
+            earliest = now + max(0.0, launch - seconds)
+            if kind in (CODEC, FINITE) and stream != self._compute_stream:
+                self.tail = self.timeline.enqueue_beside(seconds, earliest, self.tail, self.proc, kind, key, launch)
+            else:
+                self.tail = self.timeline.enqueue(seconds, earliest, self.tail, self.proc, kind, key, launch, extra)
         _spin(launch)
 
     def copy_async(self, nbytes: int) -> None:

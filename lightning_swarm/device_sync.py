@@ -72,26 +72,6 @@ def side_stream(device: torch.device) -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def on_default_stream(device: torch.device, inputs: Iterable[torch.Tensor] = ()) -> Iterator[None]:
-    """For kernels that go to the device's default stream whatever the current stream is (bitsandbytes' blockwise
-    quantization is launched without a stream): the default stream first waits for the current stream's work so far
-    (``inputs`` are marked as used there), and the current stream's later work waits for what the enclosed code queued.
-    Nothing to order on the CPU, or when the current stream is the default one."""
-    if device.type != "cuda":
-        yield
-        return
-    current, default = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
-    if current == default:
-        yield
-        return
-    default.wait_stream(current)
-    for tensor in inputs:
-        tensor.record_stream(default)
-    yield
-    current.wait_stream(default)
-
-
 def wait_for(done: Mark, tensors: Iterable[torch.Tensor] = ()) -> None:
     """Queue the current stream's next work after ``done``; ``tensors``, made on another stream, are marked as used
     on this one, so that their memory is not reused before this stream is done with them."""

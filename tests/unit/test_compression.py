@@ -183,6 +183,31 @@ def test_decoding_into_a_tensor_of_another_shape_dtype_or_layout_is_refused():
         compression.encode(torch.arange(3), "none", scale=2.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1,), (4095,), (4097,), (3, 4096), (2, 3, 5001)])
+def test_quantization_on_the_current_stream_has_bitsandbytes_layout_and_bound(shape, dtype):
+    """The quantization a GPU runs on the current stream (torch operations: bitsandbytes' CUDA kernel takes the
+    default stream), checked on the CPU against bitsandbytes' own: the same absmax, codes that decode within the
+    codec's bound, and the same nearest code nearly everywhere (a value halfway between two codes may go either way)."""
+    tensor = (torch.randn(shape) * 3).to(dtype)
+    codes, absmax = compression.quantize_on_stream(tensor)
+    theirs, their_absmax = compression._quantize(tensor)  # on the CPU: bitsandbytes
+    assert codes.shape == tensor.shape and codes.dtype == torch.uint8
+    assert torch.equal(absmax, their_absmax)
+    decoded = compression._dequantize(codes.reshape(-1), absmax, dtype).reshape(shape)
+    assert ((decoded.double() - tensor.double()).abs() <= error_bound(tensor, "8bit")).all()
+    assert (codes == theirs).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_value_quantized_on_the_current_stream_decodes_non_finite(bad):
+    """So that the stage that receives it refuses it (NonFiniteInputError) and blames the sender."""
+    tensor = torch.randn(2, 5000)
+    tensor[1, 7] = bad
+    codes, absmax = compression.quantize_on_stream(tensor)
+    assert not compression._dequantize(codes.reshape(-1), absmax, torch.float32).isfinite().all()
+
+
 def test_none_and_float16_messages_are_hivemind_compatible():
     tensor = torch.randn(4, 9)
     for codec, kind in (("none", runtime_pb2.NONE), ("float16", runtime_pb2.FLOAT16)):
