@@ -212,7 +212,7 @@ class Timeline:
             return self.enqueue(seconds, earliest, after, proc, kind, key, value)
         recent = self._records[max(0, int(self._counts[0]) - BESIDE_SCAN) : int(self._counts[0])]
         running = recent[np.isin(recent["kind"], KERNELS) & (recent["key2"] == 0)]
-        running = running[(running["t0"] <= ready) & (running["t1"] > ready)]
+        running = running[(running["t0"] < ready) & (running["t1"] > ready)]
         start = float(running["t1"].max()) if len(running) else ready
         self.append(start, start + seconds, proc, kind, key, 1, value)
         return start + seconds

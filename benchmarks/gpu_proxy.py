@@ -562,12 +562,14 @@ def _interpolate(series: list[tuple[float, float, float]], t: float, column: int
 
 
 def run_check(run: dict, calibration: emu.Calibration) -> dict:
-    """Whole-run consistency: the device's busy time (the union of its kernels) against the sum of the kernels'
-    durations (the timeline runs one at a time); the samples each stage computed forward and backward against the
-    samples the trainer trained; and the blocks' busy time against the calibrated time of those samples (each
-    through every stage, forward and backward), plus the forwards a backward computed again."""
+    """Whole-run consistency: the device's busy time (the union of its kernels queued in order) against the sum of
+    their durations (the timeline runs them one at a time), and how many kernels ran beside them; the samples each
+    stage computed forward and backward against the samples the trainer trained; and the blocks' busy time against
+    the calibrated time of those samples (each through every stage, forward and backward), plus the forwards a
+    backward computed again."""
     r = run["records"]
-    kernels = r[np_isin(r["kind"], emu.KERNELS)]
+    kernels = r[np_isin(r["kind"], emu.KERNELS) & (r["key2"] == 0)]
+    beside = r[np_isin(r["kind"], emu.KERNELS) & (r["key2"] == 1)]
     blocks = r[np_isin(r["kind"], emu.BLOCKS)]
     samples = int((r["kind"] == emu.BATCH).sum()) * BATCH
     served = r[r["kind"] == emu.SERVE]
@@ -585,6 +587,7 @@ def run_check(run: dict, calibration: emu.Calibration) -> dict:
         {
             "busy": total(union(list(zip(kernels["t0"], kernels["t1"])))),
             "kernel_sum": float((kernels["t1"] - kernels["t0"]).sum()),
+            "kernels_beside": len(beside),
             "block_busy": total(union(list(zip(blocks["t0"], blocks["t1"])))),
             "block_expected": (
                 samples * STAGES * (calibration.forward + calibration.backward) + recomputed * calibration.forward

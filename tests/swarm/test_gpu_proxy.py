@@ -74,6 +74,28 @@ def test_a_side_stream_is_ordered_by_marks_and_waits_for_its_own_work(tmp_path):
     assert dev.seconds_between(done, start) == pytest.approx(second["t1"] - first["t1"])
 
 
+def test_a_side_streams_codec_kernel_runs_beside_the_compute_queued_before_it(tmp_path):
+    """A reply's quantization on a side stream, after the mark of its request's compute: it runs from the end of the
+    kernel running then, not behind the next requests' kernels queued since, and delays none of them; on the
+    compute stream, the same kernel waits for everything queued before it."""
+    dev, cpu = device(tmp_path), torch.device("cpu")
+    dev.kernel(0.2, emu.BLOCK_FORWARD, launch=0.0)
+    done = dev.mark(cpu)
+    for _ in range(3):  # the next request's blocks, queued at once
+        dev.kernel(0.1, emu.BLOCK_FORWARD, launch=0.0)
+    time.sleep(max(0.0, done.event + 0.05 - time.monotonic()))  # the reply is encoded while the second block runs
+    blocks = dev.timeline.records()[:4]
+    with dev.side_stream(cpu):
+        dev.wait_for(done)
+        dev.kernel(1e-3, emu.CODEC, launch=0.0)
+    beside = dev.timeline.records()[-1]
+    assert beside["key2"] == 1 and beside["t0"] == pytest.approx(blocks[1]["t1"])
+    assert dev.timeline.busy_until == pytest.approx(blocks[3]["t1"])  # the queued blocks were not delayed
+    dev.kernel(1e-3, emu.CODEC, launch=0.0)
+    in_order = dev.timeline.records()[-1]
+    assert in_order["key2"] == 0 and in_order["t0"] == pytest.approx(blocks[3]["t1"])
+
+
 PROCESS = textwrap.dedent(
     """
     import sys, time
@@ -131,7 +153,8 @@ def test_gpu_proxy_quick(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run = json.loads((tmp_path / "results" / "gpu_proxy.json").read_text())["runs"][-1]
     (check,) = run["checks"]
-    assert check["busy"] == pytest.approx(check["kernel_sum"], rel=1e-9)  # kernels never overlapped
+    assert check["busy"] == pytest.approx(check["kernel_sum"], rel=1e-9)  # kernels in order never overlapped
+    assert check["kernels_beside"] > 0  # the stages' decoding and encoding, on their side streams
     assert check["samples"] > 0
     for stage in range(2):
         for kind in ("forward", "backward"):
