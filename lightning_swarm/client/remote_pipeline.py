@@ -188,7 +188,7 @@ class RemotePipeline(nn.Module):
         xs, last = [x for x, _ in parts], hops[-1][1]
         n = len(parts)
         if last.output is not None and self.exact_dtype:  # the replies' shape and dtype are known: decoded in place
-            output = inputs.new_empty([int(inputs.shape[0]), *last.output.shape[1:]], dtype=last.output.dtype)
+            output = _assembly(inputs, [int(inputs.shape[0]), *last.output.shape[1:]], last.output.dtype)
             landings = [Landing(inputs.device, out) for out in output.split([int(x.shape[0]) for x in xs])]
         else:
             output, landings = None, [Landing(inputs.device)] * n
@@ -203,7 +203,7 @@ class RemotePipeline(nn.Module):
         first, scale = routes[0].inputs[0], len(routes)  # equal microbatches
         sizes = [int(route.inputs[0].size[0]) for route in routes]
         shape, dtype = [sum(sizes), *first.size[1:]], compression.decoded_dtype(first)
-        grad_inputs = grad_outputs.new_empty(shape, dtype=dtype)
+        grad_inputs = _assembly(grad_outputs, shape, dtype)
         landings = [Landing(grad_outputs.device, out, scale) for out in grad_inputs.split(sizes)]
         loss_scale = self.loss_scale() if self.loss_scale is not None else None
         grads = list(grad_outputs.detach().chunk(scale))
@@ -608,6 +608,13 @@ class _RemoteStages(torch.autograd.Function):
         if not ctx.needs_input_grad[2]:
             return None, None, None, None
         return None, None, grad_inputs.to(device=ctx.input_device, dtype=ctx.input_dtype), None
+
+
+def _assembly(like: torch.Tensor, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor on ``like``'s device, for the microbatches' threads to decode their replies into: a normal
+    tensor even under inference mode (Lightning's validation), which does not reach those threads."""
+    with torch.inference_mode(False):
+        return like.new_empty(shape, dtype=dtype)
 
 
 def _check_at(

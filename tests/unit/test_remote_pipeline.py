@@ -102,3 +102,17 @@ def test_the_batch_is_assembled_where_its_microbatches_replies_are_decoded(monke
     assert joined == []
     assert torch.equal(y, x)
     assert torch.equal(x.grad, cat([part * 3 / 3 for part in weights.chunk(3)]))
+
+
+def test_a_batch_assembled_in_place_under_inference_mode():
+    """Lightning validates under inference mode, which the microbatches' threads do not inherit: the batch's tensor
+    they decode into must still be writable there (an inference tensor refused the write: every validation call
+    failed and the peer was blamed)."""
+    meta = MetaBlocks([torch.nn.Identity(), torch.nn.Identity()])
+    pipeline = RemotePipeline(EchoRouter(), codec="none", microbatches=3, spans=[(0, 1), (1, 2)], meta=meta)
+    try:
+        x = torch.randn(9, 5)
+        with torch.inference_mode():
+            assert torch.equal(pipeline(x), x)
+    finally:
+        pipeline.close()
