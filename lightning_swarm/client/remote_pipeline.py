@@ -283,15 +283,14 @@ class RemotePipeline(nn.Module):
         inputs: torch.Tensor,
         sides: list[Optional[Request]],
         hops: list[tuple[int, Hop]],
-        keep: bool = False,
-        train: bool = True,
-        landing: Optional[Landing] = None,
+        keep: bool,
+        train: bool,
+        landing: Landing,
     ) -> tuple[torch.Tensor, Route]:
-        """One microbatch through the hops; the last reply is decoded at ``landing`` (by default a tensor of its own on
-        the input's device), the others go on to the next stage unread (by this process, or under chain wiring by
-        each stage's peer: if that chain breaks, the microbatch is sent again relayed here). A stage that finds NaN or
-        Inf in the activation relayed to it blames the peer that sent it: that hop runs again on another peer."""
-        landing = landing or Landing(inputs.device)
+        """One microbatch through the hops; the last reply is decoded at ``landing``, the others go on to the next
+        stage unread (by this process, or under chain wiring by each stage's peer: if that chain breaks, the
+        microbatch is sent again relayed here). A stage that finds NaN or Inf in the activation relayed to it blames
+        the peer that sent it: that hop runs again on another peer."""
         hidden = compression.encode(inputs, self.codec)
         self.router.stats.add(samples_sent=int(inputs.shape[0]) if inputs.ndim else 1)
         broken: Optional[Exception] = None
