@@ -480,11 +480,15 @@ class StageHost:
 
     def leave(self, grace: float = LEAVE_GRACE) -> None:
         """Leave the served stage gracefully: announce it, give routers time to notice while the requests already
-        sent are answered (at most ``grace`` seconds), then stop the server and the stage optimizer."""
+        sent are answered (at most ``grace`` seconds), then stop the server and the stage optimizer. With no other
+        peer training there is no router to notice (every request starts at a trainer): only the requests already
+        sent are answered."""
         if self._announcer is not None:
             self._announcer.stop(final=self.record(PeerState.LEAVING))
             self._announcer = None
-        noticed = time.monotonic() + min(2.0, self.settings.update_period) + 0.5  # routers re-read records this often
+        noticed = time.monotonic()
+        if self._others_training():
+            noticed += min(2.0, self.settings.update_period) + 0.5  # routers re-read records this often
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and (time.monotonic() < noticed or self.server.busy()):
             time.sleep(0.1)
@@ -497,6 +501,16 @@ class StageHost:
         if self.stage.optimizer is not None:
             self.stage.optimizer.shutdown()
             self.stage.optimizer = None
+
+    def _others_training(self) -> bool:
+        """Whether another peer announces it is training (True when the records cannot be read)."""
+        try:
+            return bool(
+                discovery.training_peers(self.node, self.settings.run_id, self.settings.num_stages) - {self.peer_id}
+            )
+        except Exception as e:
+            log.warning("Could not read the swarm while leaving: %r", e)
+            return True
 
     def stop_watching(self) -> None:
         for thread in (self._rebalancer, self._watcher):

@@ -297,3 +297,45 @@ def test_a_lingering_peer_leaves_only_once_no_trainer_showed_for_an_update_perio
     assert len(seen) >= gone + 3  # lapses of one read did not end it; at least three reads without the trainer did
     assert seen[-1][0] - seen[gone][0] >= period and not any(found for _, found in seen[gone:])
     assert len(served) == len(seen) - 1  # it served on between every two reads
+
+
+@pytest.mark.parametrize(
+    "others, waits",
+    [({"trainer"}, True), (set(), False), (RuntimeError("DHT unreachable"), True)],
+    ids=["a trainer trains", "nobody trains", "records unreadable"],
+)
+def test_a_leaving_peer_waits_for_routers_to_notice_only_while_another_peer_trains(monkeypatch, others, waits):
+    """Leaving, a stage peer announces it and keeps answering until routers re-read the records; with no other peer
+    training no request can come (every one starts at a trainer), so it stops once the requests already sent are
+    answered. When the records cannot be read it waits, as if a trainer trained."""
+
+    def training_peers(node, run_id, num_stages):
+        if isinstance(others, Exception):
+            raise others
+        return others | {"me"}
+
+    monkeypatch.setattr(discovery, "training_peers", training_peers)
+    busy = iter([True, True])  # a request already sent: answered before the server stops, either way
+    events = []
+    server = SimpleNamespace(
+        busy=lambda: next(busy, False),
+        remove_p2p_handlers=lambda p2p, namespace: None,
+        shutdown=lambda: events.append("shutdown"),
+    )
+    host = SimpleNamespace(
+        _announcer=None,
+        _others_training=lambda: StageHost._others_training(host),
+        settings=SimpleNamespace(update_period=0.5, run_id="r", num_stages=2),
+        node=SimpleNamespace(run=lambda coroutine, timeout: None, p2p=None),
+        peer_id="me",
+        server=server,
+        router=None,
+        stage=SimpleNamespace(optimizer=None),
+    )
+    real_sleep = time.sleep
+    monkeypatch.setattr(time, "sleep", lambda seconds: (events.append("sleep"), real_sleep(seconds)))
+    StageHost.leave(host, grace=10.0)
+    assert events[-1] == "shutdown" and host.server is None
+    slept = events.count("sleep")
+    # busy twice: two sleeps; waiting for routers to notice (1 s here): more, before those
+    assert slept > 2 if waits else slept == 2, events
