@@ -29,7 +29,9 @@ script starts every peer. Peers whose batch sizes differ would disagree on the t
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
+import threading
 import time
 from collections import Counter
 from concurrent.futures import InvalidStateError
@@ -202,6 +204,43 @@ class _NoRateEstimate(PerformanceEMA):
         return self.samples_per_second
 
 
+class CoalescedSignal(threading.Event):
+    """The event hivemind's progress reporter waits on: each time it is set, the reporter stores this peer's progress
+    as it is then in the DHT. While ``coalescing``, a set within ``period`` seconds of the last one is held back until
+    ``period`` after it, and the sets held meanwhile become that one: the reports of one epoch's samples, one per
+    microbatch, cost at most one store per period, and the latest progress is always stored. Any other set (a new
+    epoch, shutdown) goes at once."""
+
+    def __init__(self, period: float) -> None:
+        super().__init__()
+        self.period = period
+        self.coalescing = False
+        self._last = -math.inf  # when it was last set
+        self._held: Optional[threading.Timer] = None
+        self._lock = threading.Lock()
+
+    def set(self) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if not self.coalescing or now >= self._last + self.period:
+                self._release(now)
+            elif self._held is None:
+                self._held = threading.Timer(self._last + self.period - now, self._release_held)
+                self._held.daemon = True
+                self._held.start()
+
+    def _release_held(self) -> None:
+        with self._lock:
+            self._release(time.monotonic())
+
+    def _release(self, now: float) -> None:
+        if self._held is not None:
+            self._held.cancel()  # a no-op when it is the timer running this
+            self._held = None
+        self._last = now
+        super().set()
+
+
 class CountingProgressTracker(ProgressTracker):
     """hivemind's progress tracker, made exact for peers that receive work in bursts.
 
@@ -219,6 +258,10 @@ class CountingProgressTracker(ProgressTracker):
     by default read from the run's records in its DHT): read once as it starts, then again as it refreshes the
     progress, the last count read standing while a read fails. With ``expect_trainers`` (the trainers' local
     optimizer), every round expects all the peers training (:meth:`round_size`).
+
+    Within an epoch, this peer's reports of more samples are stored at most every ``min_refresh_period`` seconds
+    (:class:`CoalescedSignal`), the shortest period at which partners fetch the progress: hivemind stores one per
+    call, one per microbatch. Its first samples of an epoch, a new epoch and a reset go at once.
     """
 
     def __init__(
@@ -247,17 +290,25 @@ class CountingProgressTracker(ProgressTracker):
             target_batch_size = target_batch_size.total(self.trainers.read(timeout=5.0))
         super().__init__(dht, prefix, int(target_batch_size), start=False, **kwargs)
         self.performance_ema = _NoRateEstimate()
+        self.should_report_progress = CoalescedSignal(self.min_refresh_period)
         if start:
             self.start()
 
     def report_local_progress(
         self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True
     ) -> None:
-        """hivemind's report, noting the swarm's epoch when it carried samples (for :meth:`published`)."""
+        """hivemind's report, noting the swarm's epoch when it carried samples (for :meth:`published`); more samples
+        within an epoch are stored coalesced (see the class docstring)."""
         if samples_accumulated > 0:
             epoch = self.global_epoch
             self._sampled_at = {e for e in self._sampled_at if e >= epoch - 2} | {epoch}
-        super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+        previous = self.local_progress
+        more = local_epoch == previous.epoch and samples_accumulated > previous.samples_accumulated > 0
+        self.should_report_progress.coalescing = more
+        try:
+            super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+        finally:
+            self.should_report_progress.coalescing = False
 
     def published(self, epoch: int) -> bool:
         """Whether hivemind published this peer's progress while the swarm was at ``epoch``, so that its partners

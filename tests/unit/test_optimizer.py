@@ -28,6 +28,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.optimizer import (
     BoundedGradientAverager,
+    CoalescedSignal,
     CountingProgressTracker,
     PartialGroup,
     StepPace,
@@ -297,6 +298,40 @@ def test_a_peer_without_samples_is_awaited_only_if_its_record_was_published():
         tracker._records = [progress(3, 16, "partner")]  # a partner at its epoch showed samples: no round counts on it
         tracker.global_progress.epoch = 4
         assert not tracker.awaited_without_samples()
+    finally:
+        node.shutdown()
+
+
+def test_more_samples_within_an_epoch_are_reported_coalesced():
+    """hivemind stores a peer's progress in the DHT at every report, one per microbatch: within an epoch, reports of
+    more samples are held back to one per period, the latest progress stored when it ends; the first samples of an
+    epoch, a new epoch and a reset are stored at once, and so is shutdown's withdrawal."""
+    node = SwarmNode().start()
+    tracker = CountingProgressTracker(dht=node.dht, prefix="coalesced", target_batch_size=64, start=False)
+    report_signal = tracker.should_report_progress  # each set: one store by hivemind's reporter (not started here)
+    try:
+        assert isinstance(report_signal, CoalescedSignal) and report_signal.period == tracker.min_refresh_period
+        report_signal.period = 60.0  # nothing held is released during the test's first part, however slow the machine
+
+        def reported(epoch: int, samples: int) -> bool:
+            report_signal.clear()
+            tracker.report_local_progress(epoch, samples)
+            return report_signal.is_set()
+
+        assert reported(0, 4)  # the epoch's first samples
+        assert not reported(0, 8) and not reported(0, 12)  # more: held back
+        assert tracker.local_progress.samples_accumulated == 12  # what the held store will carry
+        assert reported(1, 0)  # a new epoch: at once, the held store with it
+        assert reported(1, 4) and not reported(1, 8)
+        assert reported(1, 2)  # fewer samples (a reset): at once
+        assert not reported(1, 6)
+        report_signal.clear()
+        tracker.shutdown(timeout=1)  # its reporter never ran: the wait times out
+        assert report_signal.is_set()
+
+        report_signal.period = 0.3  # a held report is stored once its period ends
+        assert reported(2, 4) and not reported(2, 8)
+        assert report_signal.wait(timeout=30) and tracker.local_progress.samples_accumulated == 8
     finally:
         node.shutdown()
 
