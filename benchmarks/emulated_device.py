@@ -25,19 +25,19 @@ lock (a thread lock and ``flock``). Clocks are ``time.monotonic()``, one clock f
   time.
 
 Where the real code waits on a device, the emulation is put in its place (:func:`install`):
-``lightning_swarm.device_sync``'s functions (marks and their timing, side streams and the waits between streams,
-the finiteness check of a decoded tensor, the device-to-host copy of an encoded one into pinned memory, a whole-device
-synchronize); the codec's kernels (8-bit quantize on
-encoding, and dequantize when decoding onto the device, after the host copy into a staging buffer and an
-asynchronous host-to-device copy); and the stage optimizer: gradient accumulation on the device; alone (or after
-a failed round) the gradient's copy and scaling on the device, with a round (or delayed updates) hivemind's copies of
+``lightning_swarm.device_sync``'s functions (marks and their timing, side streams and the waits between streams, the
+finiteness check of a decoded tensor, the device-to-host copy of an encoded one into pinned memory (not of one made
+on the host, such as a receipt: that is there already), a whole-device synchronize); the codec's kernels (8-bit
+quantize on encoding, and dequantize when decoding onto the device, after the host copy into a staging buffer and an
+asynchronous host-to-device copy); and the stage optimizer: gradient accumulation on the device; alone (or after a
+failed round) the gradient's copy and scaling on the device, with a round (or delayed updates) hivemind's copies of
 the whole gradient into shared host memory and back and its scaling on one host thread (emulated waits, for the
 parameter count of the real model, ``EmulatedDevice.optimizer_numel``); the optimizer's own step kernel and the
 accumulators' reset (:func:`_install_optimizer`). The pipeline's blocks are :class:`EmulatedBlock`: their parameters
 are one element each (the real block's names, their real sizes in ``emulated_numel``), a call launches one kernel of
 the calibrated time for its samples and returns a real tensor of the real size without computing it. The trainer's
-local modules (:class:`EmulatedEmbedding`, :class:`EmulatedHead`) are emulated the same way; the pipeline's output and
-input gradient reach them decoded on the device.
+local modules (:class:`EmulatedEmbedding`, :class:`EmulatedHead`) are emulated the same way; the pipeline's output
+and input gradient reach them decoded on the device.
 
 Everything else is today's code, run for real: routing, transport, codec framing and host-side decoding, kept
 activations, the fair queue, hivemind's optimizer logic. :func:`instrument` adds records of what the swarm does
@@ -349,7 +349,11 @@ class EmulatedDevice:
         return True
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A device-to-host copy into pinned memory on the current stream, which the host then waits for."""
+        """A device-to-host copy into pinned memory on the current stream, which the host then waits for; a tensor
+        made on the host (a receipt, a side input sent exactly) is there already, as ``device_sync.to_host`` returns
+        a CPU tensor without waiting for the device."""
+        if not _on_device(tensor):
+            return tensor
         self.copy_async(tensor.numel() * tensor.element_size())
         self.synchronize()
         return tensor
@@ -513,13 +517,21 @@ _zeros: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
 
 def _zeros_of(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Shared zeros (read-only use): what the emulated quantize returns, so that the bytes sent decode to zeros."""
+    """Shared zeros (read-only use): what the emulated quantize returns, so that the bytes sent decode to zeros. They
+    stand for tensors on the device (:func:`_on_device`)."""
     key = (numel, dtype)
     if key not in _zeros:
         if len(_zeros) > 16:
             _zeros.clear()
         _zeros[key] = torch.zeros(numel, dtype=dtype)
     return _zeros[key]
+
+
+def _on_device(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` stands for one on the emulated device: a view of the codec's outputs (the emulation's
+    tensors all live in host memory; what the real code sends that was made on the host never waits for a GPU)."""
+    pointer = tensor.untyped_storage().data_ptr()
+    return any(pointer == zeros.untyped_storage().data_ptr() for zeros in _zeros.values())
 
 
 def install(device: EmulatedDevice) -> None:
