@@ -348,15 +348,17 @@ class EmulatedDevice:
         self.pageable_copy(1, HOST_READ)
         return True
 
-    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A device-to-host copy into pinned memory on the current stream, which the host then waits for; a tensor
-        made on the host (a receipt, a side input sent exactly) is there already, as ``device_sync.to_host`` returns
-        a CPU tensor without waiting for the device."""
-        if not _on_device(tensor):
-            return tensor
-        self.copy_async(tensor.numel() * tensor.element_size())
+    def to_host(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """A message's pieces (flat uint8) copied from the device into one pinned buffer on the current stream, which
+        the host then waits for: no host work (a GPU's copy engine does it), and the zeros the emulated codec made.
+        Pieces made on the host (a receipt) are copied on the host without waiting, as ``device_sync.to_host``
+        does."""
+        nbytes = sum(part.numel() for part in parts)
+        if not any(_on_device(part) for part in parts):
+            return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+        self.copy_async(nbytes)
         self.synchronize()
-        return tensor
+        return _zeros_of(nbytes, torch.uint8)
 
 
 def _spin(seconds: float) -> None:

@@ -89,12 +89,16 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor).all())
 
 
-def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` in host memory: from a GPU, copied into pinned memory on the current stream, which the host then
-    waits for (not for the device's other streams)."""
-    if not tensor.is_cuda:
-        return tensor.cpu()
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    torch.cuda.current_stream(tensor.device).synchronize()
+def to_host(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` (flat uint8 tensors) back to back in one new host buffer: from a GPU, copied into pinned memory on
+    the current stream, which the host then waits for (not for the device's other streams); a message's bytes are
+    sent from it as they are, with no copy on the host."""
+    gpu = next((part.device for part in parts if part.is_cuda), None)
+    host = torch.empty(sum(part.numel() for part in parts), dtype=torch.uint8, pin_memory=gpu is not None)
+    offset = 0
+    for part in parts:
+        host[offset : offset + part.numel()].copy_(part, non_blocking=part.is_cuda)
+        offset += part.numel()
+    if gpu is not None:
+        torch.cuda.current_stream(gpu).synchronize()
     return host

@@ -8,14 +8,15 @@ the peer that ran the forward with the output gradient alone: that peer kept the
 hop (and its side inputs) is also kept on the caller: if that peer died or dropped the graph, they go with the
 gradient to any peer of the stage, which recomputes the forward from them.
 
-Activations and gradients are encoded once, where they are made: a stage's reply goes on to the next stage as it
-came, compressed and unread, and only the pipeline's output and input gradient are decoded here, on the device of
-the tensor they replace. Every reply is checked first (:class:`~lightning_swarm.client.routing.ReplyCheck`): a
-forward's output has the microbatch's samples and the shape (and under ``-true`` precisions the dtype) that the
-blocks on the meta device return for that input; a backward's input gradient has the hop input's shape and dtype.
-A relayed reply is checked by its header and framing; its values are checked by the stage it goes to, which refuses
-NaN or Inf (:class:`~lightning_swarm.errors.NonFiniteInputError`), and a reply this process decodes must be finite
-too. A peer that answers otherwise is banned and the microbatch goes to another peer. Side inputs are sent exactly.
+Activations and gradients are encoded once, where they are made (a batch's microbatches in one pass): a stage's
+reply goes on to the next stage as it came, compressed and unread, and only the pipeline's output and input gradient
+are decoded here, on the device of the tensor they replace. Every reply is checked first
+(:class:`~lightning_swarm.client.routing.ReplyCheck`): a forward's output has the microbatch's samples and the shape
+(and under ``-true`` precisions the dtype) that the blocks on the meta device return for that input; a backward's
+input gradient has the hop input's shape and dtype. A relayed reply is checked by its header and framing; its values
+are checked by the stage it goes to, which refuses NaN or Inf
+(:class:`~lightning_swarm.errors.NonFiniteInputError`), and a reply this process decodes must be finite too. A peer
+that answers otherwise is banned and the microbatch goes to another peer. Side inputs are sent exactly.
 
 A batch is split into equal microbatches that travel through the stages concurrently (each on its own route), so
 that one trainer keeps several stages busy at once and their transfers overlap other microbatches' compute: by
@@ -192,7 +193,8 @@ class RemotePipeline(nn.Module):
             landings = [Landing(inputs.device, out) for out in output.split([int(x.shape[0]) for x in xs])]
         else:
             output, landings = None, [Landing(inputs.device)] * n
-        results = self._map(self._forward_route, xs, sides, [hops] * n, [keep] * n, [train] * n, landings)
+        hidden = compression.encode_split(inputs, self.codec, [int(x.shape[0]) for x in xs])  # one pass for all
+        results = self._map(self._forward_route, hidden, sides, [hops] * n, [keep] * n, [train] * n, landings)
         if output is None:
             output = torch.cat([decoded for decoded, _ in results]).to(inputs.device)
         return output, [route for _, route in results]
@@ -206,7 +208,7 @@ class RemotePipeline(nn.Module):
         grad_inputs = _assembly(grad_outputs, shape, dtype)
         landings = [Landing(grad_outputs.device, out, scale) for out in grad_inputs.split(sizes)]
         loss_scale = self.loss_scale() if self.loss_scale is not None else None
-        grads = list(grad_outputs.detach().chunk(scale))
+        grads = compression.encode_split(grad_outputs, self.codec, sizes, scale)  # each its microbatch's mean loss
         self._map(self._backward_route, grads, routes, [loss_scale] * scale, landings)
         return grad_inputs
 
@@ -280,19 +282,18 @@ class RemotePipeline(nn.Module):
 
     def _forward_route(
         self,
-        inputs: torch.Tensor,
+        hidden: runtime_pb2.Tensor,
         sides: list[Optional[Request]],
         hops: list[tuple[int, Hop]],
         keep: bool,
         train: bool,
         landing: Landing,
     ) -> tuple[torch.Tensor, Route]:
-        """One microbatch through the hops; the last reply is decoded at ``landing``, the others go on to the next
-        stage unread (by this process, or under chain wiring by each stage's peer: if that chain breaks, the
-        microbatch is sent again relayed here). A stage that finds NaN or Inf in the activation relayed to it blames
-        the peer that sent it: that hop runs again on another peer."""
-        hidden = compression.encode(inputs, self.codec)
-        self.router.stats.add(samples_sent=int(inputs.shape[0]) if inputs.ndim else 1)
+        """One microbatch (``hidden``, encoded) through the hops; the last reply is decoded at ``landing``, the others
+        go on to the next stage unread (by this process, or under chain wiring by each stage's peer: if that chain
+        breaks, the microbatch is sent again relayed here). A stage that finds NaN or Inf in the activation relayed
+        to it blames the peer that sent it: that hop runs again on another peer."""
+        self.router.stats.add(samples_sent=int(hidden.size[0]))
         broken: Optional[Exception] = None
         if self.wiring == "chain" and len(hops) > 1:
             route = Route(train, [hop.stage for _, hop in hops], [hidden] + [None] * (len(hops) - 1), sides=sides)
@@ -460,14 +461,15 @@ class RemotePipeline(nn.Module):
                 self.router.failed_over(stage, method, failed, retried_on, error)
 
     def _backward_route(
-        self, grad_outputs: torch.Tensor, route: Route, loss_scale: Optional[float], landing: Landing
+        self, grad: runtime_pb2.Tensor, route: Route, loss_scale: Optional[float], landing: Landing
     ) -> torch.Tensor:
-        """One microbatch back through its route; only the first hop's input gradient is decoded (at ``landing``).
+        """One microbatch's output gradient (``grad``, encoded times ``landing.scale``) back through its route; only
+        the first hop's input gradient is decoded (at ``landing``).
         A stage that finds NaN or Inf in the gradient relayed to it (never under a loss scale, where NaN reports an
         overflow) blames the peer that computed it: that hop runs again on another peer."""
         if any(hidden is None for hidden in route.inputs):
-            return self._backward_chain_route(grad_outputs, route, loss_scale, landing)
-        grads = [compression.encode(grad_outputs, self.codec, landing.scale)]
+            return self._backward_chain_route(grad, route, loss_scale, landing)
+        grads = [grad]
         hop, blamed = len(route.peers) - 1, 0
         while hop >= 0:
             try:
@@ -486,12 +488,12 @@ class RemotePipeline(nn.Module):
         return decoded
 
     def _backward_chain_route(
-        self, grad_outputs: torch.Tensor, route: Route, loss_scale: Optional[float], landing: Landing
+        self, grad: runtime_pb2.Tensor, route: Route, loss_scale: Optional[float], landing: Landing
     ) -> torch.Tensor:
         """One microbatch back along a chained route. Where a hop's peer could not take its gradient, that hop is
         recomputed on a peer of its stage from its input (sent again through the hops before it, unkept, if this
         process does not hold it) and the chain goes on from the hop before."""
-        grad, hop = compression.encode(grad_outputs, self.codec, landing.scale), len(route.peers) - 1
+        hop = len(route.peers) - 1
         while True:
             hop, grad, decoded, failed = self._chain_backward(hop, grad, route, loss_scale, landing)
             if hop < 0:
