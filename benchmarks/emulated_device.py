@@ -26,18 +26,18 @@ lock (a thread lock and ``flock``). Clocks are ``time.monotonic()``, one clock f
 
 Where the real code waits on a device, the emulation is put in its place (:func:`install`):
 ``lightning_swarm.device_sync``'s functions (marks and their timing, side streams and the waits between streams, the
-finiteness check of a decoded tensor, the device-to-host copy of an encoded one into pinned memory (not of one made
-on the host, such as a receipt: that is there already), a whole-device synchronize); the codec's kernels (8-bit
-quantize on encoding, and dequantize when decoding onto the device, after the host copy into a staging buffer and an
-asynchronous host-to-device copy); and the stage optimizer: gradient accumulation on the device; alone (or after a
-failed round) the gradient's copy and scaling on the device, with a round (or delayed updates) hivemind's copies of
-the whole gradient into shared host memory and back and its scaling on one host thread (emulated waits, for the
-parameter count of the real model, ``EmulatedDevice.optimizer_numel``); the optimizer's own step kernel and the
-accumulators' reset (:func:`_install_optimizer`). The pipeline's blocks are :class:`EmulatedBlock`: their parameters
-are one element each (the real block's names, their real sizes in ``emulated_numel``), a call launches one kernel of
-the calibrated time for its samples and returns a real tensor of the real size without computing it. The trainer's
-local modules (:class:`EmulatedEmbedding`, :class:`EmulatedHead`) are emulated the same way; the pipeline's output
-and input gradient reach them decoded on the device.
+finiteness check of a decoded tensor (read at once, or later), the device-to-host copy of an encoded one into pinned
+memory (not of one made on the host, such as a receipt: that is there already), a whole-device synchronize); the
+codec's kernels (8-bit quantize on encoding, and dequantize when decoding onto the device, after the host copy into
+a staging buffer and an asynchronous host-to-device copy); and the stage optimizer: gradient accumulation on the
+device; alone (or after a failed round) the gradient's copy and scaling on the device, with a round (or delayed
+updates) hivemind's copies of the whole gradient into shared host memory and back and its scaling on one host thread
+(emulated waits, for the parameter count of the real model, ``EmulatedDevice.optimizer_numel``); the optimizer's own
+step kernel and the accumulators' reset (:func:`_install_optimizer`). The pipeline's blocks are
+:class:`EmulatedBlock`: their parameters are one element each (the real block's names, their real sizes in
+``emulated_numel``), a call launches one kernel of the calibrated time for its samples and returns a real tensor of
+the real size without computing it. The trainer's local modules (:class:`EmulatedEmbedding`, :class:`EmulatedHead`)
+are emulated the same way; the pipeline's output and input gradient reach them decoded on the device.
 
 Everything else is today's code, run for real: routing, transport, codec framing and host-side decoding, kept
 activations, the fair queue, hivemind's optimizer logic. :func:`instrument` adds records of what the swarm does
@@ -276,7 +276,11 @@ class EmulatedDevice:
     def synchronize(self, every_stream: bool = False) -> None:
         """Wait until the work enqueued so far on the current thread's stream (or on all of this process's) is done
         (the GIL released)."""
-        target, start = max(self._tails.values(), default=0.0) if every_stream else self.tail, time.monotonic()
+        self.wait_until(max(self._tails.values(), default=0.0) if every_stream else self.tail)
+
+    def wait_until(self, target: float) -> None:
+        """The host waits (the GIL released) until the device reached ``target`` (a time on the timeline)."""
+        start = time.monotonic()
         if target <= start:
             return
         spun = _wait_until(target)
@@ -348,6 +352,18 @@ class EmulatedDevice:
         self.pageable_copy(1, HOST_READ)
         return True
 
+    def all_finite_later(self, tensors: list[torch.Tensor]) -> Any:
+        """The check's reductions and the copy of its one byte into pinned memory, queued on the current stream; the
+        host reads it later, waiting only until the device got there (the emulated tensors hold no values)."""
+        from lightning_swarm.device_sync import Flag
+
+        if not tensors:
+            return Flag(torch.tensor(True))
+        for tensor in tensors:
+            self.memory_kernel(tensor.numel() * tensor.element_size(), FINITE)
+        self.copy_async(1)
+        return Flag(torch.tensor(True), _Reached(self, self.tail))
+
     def to_host(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """A message's pieces (flat uint8) copied from the device into one pinned buffer on the current stream, which
         the host then waits for: no host work (a GPU's copy engine does it), and the zeros the emulated codec made.
@@ -359,6 +375,16 @@ class EmulatedDevice:
         self.copy_async(nbytes)
         self.synchronize()
         return _zeros_of(nbytes, torch.uint8)
+
+
+class _Reached:
+    """An event of the emulated device: ``synchronize`` waits until the device reached ``at``."""
+
+    def __init__(self, device: EmulatedDevice, at: float) -> None:
+        self.device, self.at = device, at
+
+    def synchronize(self) -> None:
+        self.device.wait_until(self.at)
 
 
 def _spin(seconds: float) -> None:
@@ -546,6 +572,7 @@ def install(device: EmulatedDevice) -> None:
 
     device_sync.synchronize = device.sync_device
     device_sync.all_finite = device.all_finite
+    device_sync.all_finite_later = device.all_finite_later
     device_sync.to_host = device.to_host
     device_sync.mark = device.mark
     device_sync.seconds_between = device.seconds_between

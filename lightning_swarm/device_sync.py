@@ -1,7 +1,8 @@
 """The places where host code waits for the device, or orders work between streams, in one module.
 
 A GPU runs kernels after they were launched, so the host waits only where it needs a result: the finiteness check of
-a decoded request (a reduction read on the host), the device-to-host copy of an encoded tensor
+a decoded reply (a reduction read on the host; a stage server's requests are checked later, :func:`all_finite_later`,
+read once their compute is done), the device-to-host copy of an encoded tensor
 (:func:`~lightning_swarm.compression.encode`), and, to know how long a request computed, a pair of events
 (:func:`mark`, :func:`seconds_between`) read once the device passed them, never waited for. A stage server decodes and
 encodes on a stream of the decoding thread's own (:func:`side_stream`), ordered after the compute by events
@@ -17,7 +18,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -87,6 +88,34 @@ def wait_for(done: Mark, tensors: Iterable[torch.Tensor] = ()) -> None:
 def all_finite(tensor: torch.Tensor) -> bool:
     """Whether every value of ``tensor`` is finite (on a GPU, the host waits for the current stream's reduction)."""
     return bool(torch.isfinite(tensor).all())
+
+
+class Flag:
+    """A boolean computed on the device, read on the host only when it is needed (:func:`all_finite_later`)."""
+
+    def __init__(self, value: torch.Tensor, event: Any = None) -> None:
+        self._value, self._event = value, event
+
+    def read(self) -> bool:
+        """The value, once the device computed it (on a GPU, the host waits for that point of its stream only)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return bool(self._value)
+
+
+def all_finite_later(tensors: Sequence[torch.Tensor]) -> Flag:
+    """Whether every value of ``tensors`` is finite, without waiting: on a GPU the reduction is queued on the current
+    stream and its one byte copied into pinned memory behind it (on the CPU it is computed at once)."""
+    if not tensors:
+        return Flag(torch.tensor(True))
+    ok = torch.stack([torch.isfinite(tensor).all() for tensor in tensors]).all()
+    if not ok.is_cuda:
+        return Flag(ok)
+    host = torch.empty((), dtype=torch.bool, pin_memory=True)
+    host.copy_(ok, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(ok.device))
+    return Flag(host, event)
 
 
 def to_host(parts: list[torch.Tensor]) -> torch.Tensor:

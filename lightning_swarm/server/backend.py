@@ -207,6 +207,12 @@ class StageBackend:
             param.grad = grad
         return grads[0], True
 
+    def drop_gradients(self) -> None:
+        """Forget the gradients a backward left in ``.grad`` (its request was refused): none reach the optimizer."""
+        with self.lock:
+            for param in self.params:
+                param.grad = None
+
     def hand_over_gradients(self, batch: int) -> None:
         """After a backward was answered: the stage optimizer accumulates its gradients (and steps)."""
         if self.optimizer is None:

@@ -3,12 +3,13 @@
 
 It never waits for the device per request: each task's kernels are queued after the mark that says its tensors were
 decoded (on the decoding thread's stream), its answer is handed back with the mark after its compute, and the next
-task is queued at once, so the device always has the next request behind the current one. How long a request
-computed is read from the two marks once the device passed them (:mod:`~lightning_swarm.device_sync`), for the
-throughput the server publishes. A batch of tasks (several callers' inference forwards) runs as one forward and each
-caller gets its part. A task that runs out of memory is answered "busy" once what it held is freed; a task the
-blocks reject on an input they took on the meta device is the stage's fault (:class:`StageFailedError`).
-"""
+task is queued at once, so the device always has the next request behind the current one. Only before a backward's
+gradients go to the stage optimizer does it read whether the request's tensors were finite (computed before its
+compute began: by then the device is at this request), so that a refused gradient is never accumulated. How long a
+request computed is read from the two marks once the device passed them (:mod:`~lightning_swarm.device_sync`), for
+the throughput the server publishes. A batch of tasks (several callers' inference forwards) runs as one forward and
+each caller gets its part. A task that runs out of memory is answered "busy" once what it held is freed; a task the
+blocks reject on an input they took on the meta device is the stage's fault (:class:`StageFailedError`)."""
 
 from __future__ import annotations
 
@@ -138,7 +139,10 @@ class StageRuntime:
             timed = device_sync.mark(self.backend.device)
         self._timings.append((start, timed, batch))
         self._time_computes()  # on the CPU at once; on a GPU, whatever the device has finished
-        if first.kind == "backward" and not accumulate:
+        if first.kind == "backward" and not first.finite.read():  # refused by its handler: nothing is accumulated
+            self.backend.drop_gradients()
+            accumulate = False
+        elif first.kind == "backward" and not accumulate:
             self.skipped_samples += batch
             stage, scale = self.backend.stage, first.loss_scale
             log.info("Stage %d: gradients not finite under loss scale %s: microbatch skipped", stage, scale)

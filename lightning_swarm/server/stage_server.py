@@ -8,9 +8,11 @@ Serving is split by role, as hivemind's ``moe/server`` splits it:
   decoded straight onto the stage's device, on a stream of the decoding thread's own, and validated beside the event
   loop, and checked against the stage's blocks on the meta device (:class:`~lightning_swarm.block_calls.MetaBlocks`):
   an input the blocks do not take is the caller's fault, refused before it costs any compute, and any input they
-  take is served, so sequence length and batch size may change from request to request. The reply is encoded on
-  that thread's stream too, once the device finished its compute, so that its copy never waits behind the next
-  request's kernels;
+  take is served, so sequence length and batch size may change from request to request. Whether its values are
+  finite is computed there too, but read only once its compute is done, so that no request waits for the one before
+  it to know: one with NaN or Inf is refused then, its kept graph dropped and its gradients not accumulated. The
+  reply is encoded on that thread's stream too, once the device finished its compute, so that its copy never waits
+  behind the next request's kernels;
 - the task pool (:mod:`~lightning_swarm.server.task_pool`): the accepted requests, in a bounded queue shared fairly
   between callers, handed over in batches where requests can share a pass;
 - the runtime (:mod:`~lightning_swarm.server.runtime`): the one thread that computes on the device, never waiting
@@ -297,7 +299,7 @@ class StageServer(StageService):
             )
             self._submit(caller, task, key, metadata["origin"] if chained else caller)
             output, done = await asyncio.wrap_future(task.future)
-            encoded = await loop.run_in_executor(None, self._encode, output, done, codec)
+            encoded = await loop.run_in_executor(None, self._encode, task, output, done, codec)
             if chained:
                 encoded = await self.onward.hand_on(kind, encoded, metadata, hops, onward, task.batch, deadline)
         except (ActivationsLostError, NotServingError, ChainBrokenError):
@@ -386,13 +388,15 @@ class StageServer(StageService):
         train: bool,
     ) -> Task:
         """The request as a task: its activations (and gradient) and its blocks' calls, decoded on the stage's device
-        on this thread's stream; an input the blocks do not take (on the meta device) is refused."""
+        on this thread's stream, and whether those named in ``finite`` are (not waited for: see :meth:`_encode`); an
+        input the blocks do not take (on the meta device) is refused."""
         with device_sync.side_stream(self.device):
-            tensors = list(map(self._decode, messages[:expected], finite))
+            tensors = list(map(self._decode, messages[:expected]))
             if tree is None:
                 calls: list[Call] = [((), {})] * len(self.backend.blocks)
             else:
                 calls = block_calls.unpack(tree, [self._decode_side(m) for m in messages[expected:]], len(tree))
+            flag = device_sync.all_finite_later([t for t, checked in zip(tensors, finite) if checked])
             ready = device_sync.mark(self.device)
         if kind == "forward" or key is None:  # a kept forward's backward carries no input
             try:
@@ -403,10 +407,17 @@ class StageServer(StageService):
                     f"side inputs: {e!r:.300}"
                 ) from None
         batch = int(tensors[0].shape[0])
-        return Task(kind, tensors, train, batch, None, loss_scale, calls, Future(), ready)
+        return Task(kind, tensors, train, batch, None, loss_scale, calls, Future(), ready, flag)
 
-    def _encode(self, output: torch.Tensor, done: device_sync.Mark, codec: str) -> compression.WireTensor:
-        """The reply, encoded on this thread's stream once the compute that made it is done."""
+    def _encode(self, task: Task, output: torch.Tensor, done: device_sync.Mark, codec: str) -> compression.WireTensor:
+        """The reply, encoded on this thread's stream once the compute that made it is done; or, if the request held
+        NaN or Inf where it must not, :class:`NonFiniteInputError`. The stage computed on it, as it did not wait to
+        know: a training forward's kept graph is dropped, and a backward's gradients were not accumulated (the
+        runtime read the same flag). So an input is checked without holding up the request behind it."""
+        if not task.finite.read():  # computed before the compute began: no wait once ``done`` is reached
+            if task.kind == "forward" and task.key is not None:
+                self.kept.pop(task.key)
+            raise NonFiniteInputError("tensor contains NaN or Inf")
         with device_sync.side_stream(self.device):
             device_sync.wait_for(done, [output])
             return compression.encode(output, codec)
@@ -437,7 +448,7 @@ class StageServer(StageService):
             raise SwarmRequestError(f"loss_scale must be a positive finite number, got {scale!r}")
         return float(scale)
 
-    def _decode(self, message: runtime_pb2.Tensor, finite: bool = True) -> torch.Tensor:
+    def _decode(self, message: runtime_pb2.Tensor) -> torch.Tensor:
         try:
             tensor = compression.deserialize(message, device=self.device)
         except Exception as e:
@@ -449,8 +460,6 @@ class StageServer(StageService):
         if tensor.dtype not in self.activation_dtypes:
             expected = " or ".join(map(str, self.activation_dtypes))
             raise SwarmRequestError(f"expected a {expected} tensor, got {tensor.dtype} (precision {self.precision})")
-        if finite and not device_sync.all_finite(tensor):
-            raise NonFiniteInputError("tensor contains NaN or Inf")
         return tensor
 
     def _submit(self, caller: str, task: Task, key: Optional[str], owner: str) -> None:

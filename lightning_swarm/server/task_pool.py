@@ -26,7 +26,8 @@ from lightning_swarm.server.fair_queue import FairQueue
 @dataclass
 class Task:
     """One accepted request: its decoded tensors (activation, then gradient), the calls of the stage's blocks, the
-    mark after which its tensors are on the device, and the future its answer goes to."""
+    mark after which its tensors are on the device, the future its answer goes to, and whether the tensors it must
+    not compute on unless finite are (read once its compute is done: a request with NaN or Inf is refused then)."""
 
     kind: str
     tensors: list[torch.Tensor]
@@ -37,6 +38,7 @@ class Task:
     calls: list[Call]
     future: Future
     ready: device_sync.Mark
+    finite: device_sync.Flag
 
     @property
     def stateless(self) -> bool:

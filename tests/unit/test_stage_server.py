@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import threading
 import time
@@ -13,12 +14,12 @@ from unittest.mock import patch
 import pytest
 import torch
 from helpers.raw_client import NONE_META, wire
-from helpers.stage import HeldLock, ask, blocks
+from helpers.stage import HeldLock, StageOptimizerStub, ask, blocks
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
-from lightning_swarm import compression, protocol
-from lightning_swarm.errors import PeerNotAllowedError, StageBusyError, SwarmRequestError
+from lightning_swarm import compression, device_sync, protocol
+from lightning_swarm.errors import NonFiniteInputError, PeerNotAllowedError, StageBusyError, SwarmRequestError
 from lightning_swarm.logs import RateLimit
 from lightning_swarm.security import AUTH_FIELD, AccessPolicy, create_identity
 from lightning_swarm.server.stage_server import BUSY_HOLD, StageServer
@@ -61,6 +62,48 @@ def test_any_input_the_blocks_take_is_served_others_and_too_many_samples_are_ref
         assert server.backward_samples == 0 and len(server.kept) == 0 and server.info()["queued_samples"] == 0
         assert all(torch.equal(p, q) for p, q in zip(server.params, params)) and all(p.grad is None for p in params)
         assert ask(server, "backward", [x, torch.ones_like(x)]).shape == x.shape and server.backward_samples == 4
+    finally:
+        server.shutdown()
+
+
+def test_nan_or_inf_is_refused_once_computed_on_and_leaves_nothing_behind():
+    """A request's finiteness is computed beside its decoding and read only once the stage computed on it, so no
+    request waits to know (on a GPU: no host sync per request). A forward with NaN is refused, its kept graph dropped;
+    a backward with NaN or Inf is refused, its gradients never reach the stage optimizer; a valid backward after them
+    is accumulated (so the checks can fail)."""
+    steps = []
+
+    class Optimizer(StageOptimizerStub):
+        def step(self, batch_size: int) -> None:
+            steps.append((batch_size, [p.grad.clone() for p in server.params]))
+
+    server = StageServer("run", 0, blocks(), CPU, optimizer=Optimizer())
+    order, later = [], device_sync.all_finite_later
+
+    def recorded(tensors):
+        flag = later(tensors)
+        read = flag.read
+        flag.read = lambda: order.append("read") or read()
+        return flag
+
+    computed = server.backend.compute
+    server.backend.compute = lambda *a, **k: order.append("computed") or computed(*a, **k)
+    try:
+        x = torch.randn(4, 8, 16)
+        nan, inf = x.clone(), torch.ones_like(x)
+        nan[1, 2, 3], inf[0, 0, 0] = math.nan, math.inf
+        with patch.object(device_sync, "all_finite_later", recorded):
+            with pytest.raises(NonFiniteInputError):
+                ask(server, "forward", [nan], keep="k", train=True)
+            assert order == ["computed", "read"] and len(server.kept) == 0
+            for tensors in ([nan, torch.ones_like(x)], [x, nan], [x, inf]):
+                with pytest.raises(NonFiniteInputError):
+                    ask(server, "backward", tensors)
+            assert steps == [] and server.backward_samples == 0 and all(p.grad is None for p in server.params)
+            assert ask(server, "forward", [x], keep="k", train=True).shape == x.shape and len(server.kept) == 1
+            assert ask(server, "backward", [torch.ones_like(x)], kept="k").shape == x.shape
+        assert server.backward_samples == 4 and len(steps) == 1 and steps[0][0] == 4
+        assert all(torch.isfinite(grad).all() for grad in steps[0][1])
     finally:
         server.shutdown()
 
