@@ -186,14 +186,14 @@ class RemotePipeline(nn.Module):
         encoded: dict[int, tuple[torch.Tensor, compression.WireTensor]] = {}
         sides = [self._side_requests(hops, calls, encoded) for _, calls in parts]
         train = self.training if segment is None else segment.training
-        xs, last = [x for x, _ in parts], hops[-1][1]
+        sizes, last = [int(x.shape[0]) for x, _ in parts], hops[-1][1]
         n = len(parts)
         if last.output is not None and self.exact_dtype:  # the replies' shape and dtype are known: decoded in place
             output = _assembly(inputs, [int(inputs.shape[0]), *last.output.shape[1:]], last.output.dtype)
-            landings = [Landing(inputs.device, out) for out in output.split([int(x.shape[0]) for x in xs])]
+            landings = [Landing(inputs.device, out) for out in output.split(sizes)]
         else:
             output, landings = None, [Landing(inputs.device)] * n
-        hidden = compression.encode_split(inputs, self.codec, [int(x.shape[0]) for x in xs])  # one pass for all
+        hidden = compression.encode_split(inputs, self.codec, sizes)  # one pass for all microbatches
         results = self._map(self._forward_route, hidden, sides, [hops] * n, [keep] * n, [train] * n, landings)
         if output is None:
             output = torch.cat([decoded for decoded, _ in results]).to(inputs.device)
