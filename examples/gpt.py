@@ -255,6 +255,7 @@ class History(SwarmCallback):
             recomputed=stats.recomputed,
             chained=stats.chained,
             chain_breaks=stats.chain_breaks,
+            trailing=stats.trailing,
             stage_changes=self.stage_changes,
             peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             # gradient all-reduce rounds, those that failed (this peer stepped alone), and the time they held it up
@@ -318,6 +319,9 @@ def main() -> None:
     parser.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: never)")
     parser.add_argument("--val-batches", type=int, default=4)
     parser.add_argument("--single", action="store_true", help="plain single-process training, for comparison")
+    parser.add_argument(
+        "--accumulate", type=int, default=1, help="with --single: batches per optimizer step (in a swarm: its target)"
+    )
     parser.add_argument("--precision", default="32-true", help="the Trainer's precision, e.g. bf16-mixed")
     parser.add_argument("--history", help="write this peer's loss history here (JSON)")
     parser.add_argument("--save", help="save the complete model here at the end (a normal Lightning checkpoint)")
@@ -336,6 +340,7 @@ def main() -> None:
         accelerator="auto",
         precision=args.precision,
         max_steps=args.max_steps,
+        accumulate_grad_batches=args.accumulate if args.single else 1,
         callbacks=[history],
         logger=False,
         enable_checkpointing=False,

@@ -276,7 +276,8 @@ class CountingProgressTracker(ProgressTracker):
         **kwargs: Any,
     ) -> None:
         # set before hivemind's constructor, which fetches the swarm's progress once
-        self._others: tuple[Optional[int], int] = (None, 0)  # (epoch, samples of the other peers) as last fetched
+        # (epoch, samples of the other peers, how many have samples) as last fetched
+        self._others: tuple[Optional[int], int, int] = (None, 0, 0)
         self._records: list[LocalTrainingProgress] = []  # the other peers' progress, as last fetched
         self._sampled_at: set[int] = set()  # the swarm's recent epochs in which this peer reported samples
         self.per_trainer: Optional[PerTrainerBatch] = None  # the target is this times the trainers (unset: fixed)
@@ -326,7 +327,7 @@ class CountingProgressTracker(ProgressTracker):
         entries = [LocalTrainingProgress.parse_obj(e.value) for e in (metadata or {}).values() if e.value is not None]
         others = [e for e in entries if e.peer_id != me]
         contributors = [e for e in others if e.epoch == progress.epoch and e.samples_accumulated]
-        self._others = (progress.epoch, sum(e.samples_accumulated for e in contributors))
+        self._others = (progress.epoch, sum(e.samples_accumulated for e in contributors), len(contributors))
         self._records = others
         progress.num_peers = self.group_size()
         return progress
@@ -378,15 +379,27 @@ class CountingProgressTracker(ProgressTracker):
             return False
         return not any(e.epoch == mine and e.samples_accumulated for e in self._records)
 
+    def _counted(self) -> tuple[int, int]:
+        """The samples of this peer's epoch, its own as they are now plus the others' as last fetched, and how many
+        other peers have some."""
+        epoch, others, contributors = self._others
+        if epoch != self.local_progress.epoch:
+            others, contributors = 0, 0
+        return self.local_progress.samples_accumulated + others, contributors
+
     @property
     def ready_to_update_epoch(self) -> bool:
         # hivemind adds this peer's new samples to the global count without the lock its fetcher holds, so a fetch
         # finishing just after can drop them and the step comes late; so also count this peer's own samples as
         # they are now, plus the others' as last fetched
-        epoch, others = self._others
-        mine = self.local_progress.samples_accumulated
-        counted = mine + (others if epoch == self.local_progress.epoch else 0)
-        return super().ready_to_update_epoch or counted >= self.target_batch_size
+        return super().ready_to_update_epoch or self._counted()[0] >= self.target_batch_size
+
+    def epoch_goes_on_after(self, batch_size: int) -> bool:
+        """Whether the epoch cannot end with this peer's next batch of ``batch_size`` samples: the samples counted
+        (:meth:`_counted`), plus that batch from this peer and from each other peer with samples, stay short of the
+        target."""
+        counted, contributors = self._counted()
+        return counted + batch_size * (1 + contributors) < self.target_batch_size
 
 
 class _StartsByFork(multiprocessing.context.ForkProcess):

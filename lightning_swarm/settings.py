@@ -106,6 +106,13 @@ class SwarmSettings:
     unsplit batch's). Uses the largest divisor of the batch size not above it. Default ``"auto"``: measured:
     starts at two per stage (``2 * num_stages``) and climbs to the neighbouring divisor of the batch size while
     that is at least 5% faster over a few batches."""
+    overlap_batches: bool = field(default=True, metadata={CAST: flag})
+    """when no optimizer step can follow a batch (the target batch spans more of the swarm's batches), its
+    backward through the stages runs on while the next batch's forward starts, instead of the trainer waiting for
+    it: the stages see no turnaround between batches. The input gradient it brings back reaches the modules before
+    the pipeline (the embedding) as the next batch's backward begins, so ``on_after_backward`` sees those modules'
+    gradients one batch late (the sums stepped on are unchanged). Only under automatic optimization, without
+    gradient clipping and without ``16-mixed``'s loss scaling. Default True."""
     checkpoint_activations: bool = field(default=False, metadata={CAST: flag})
     """a stage server keeps only each block's input from a training forward and recomputes the block in backward
     (activation checkpointing): memory stays flat with many microbatches in flight, for about one more forward

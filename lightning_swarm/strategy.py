@@ -84,6 +84,7 @@ class SwarmStrategy(Strategy):
         wiring: Optional[Wiring] = None,
         delayed_updates: Optional[bool] = None,
         microbatches: Optional[Union[int, Literal["auto"]]] = None,
+        overlap_batches: Optional[bool] = None,
         checkpoint_activations: Optional[bool] = None,
         max_activation_bytes: Optional[Union[int, Literal["auto"]]] = None,
         activation_timeout: Optional[float] = None,
@@ -131,6 +132,7 @@ class SwarmStrategy(Strategy):
         self._meta: Optional[MetaBlocks] = None  # the blocks on the meta device, in the Trainer's precision
         self._remote: Optional[RemotePipeline] = None
         self._batch_size: Optional[int] = None
+        self._trailing_batch_size: Optional[int] = None  # the batch whose backward runs behind this one's forward
         self._checkpoint_stage_optimizers: Optional[dict] = None  # from fit(ckpt_path=...), for the stage served
         self._stop_requested = threading.Event()  # set by a signal: finish the step, then leave
         self._failure: Optional[BaseException] = None  # what made training raise (see on_exception)
@@ -256,6 +258,7 @@ class SwarmStrategy(Strategy):
         self.host.set_training(True)
 
     def on_train_end(self) -> None:
+        self._finish_backward()
         self._service()
         self.host.set_training(False)
         for optimizer in self.optimizers:  # the trainers' rounds go on without this peer, which may linger
@@ -274,6 +277,15 @@ class SwarmStrategy(Strategy):
         self._service()
         if self._stop_requested.is_set():
             self.lightning_module.trainer.should_stop = True
+        if self._remote is not None:
+            self._remote.trail_backward = self._may_trail_backward()
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        self._finish_backward()
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self._remote is not None and self._remote.trail_backward:
+            self._trailing_batch_size = self._batch_size
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         return super().optimizer_step(optimizer, closure, model, batch_size=self._batch_size, **kwargs)
@@ -426,6 +438,29 @@ class SwarmStrategy(Strategy):
         """Initialise freshly allocated blocks the way the model initialises them (a peer joining a live stage then
         downloads its state)."""
         partitioning.initializer(self.lightning_module, self._pipeline.path)(blocks)
+
+    def _may_trail_backward(self) -> bool:
+        """Whether this batch's backward may run on behind the next batch's forward (``overlap_batches``): no step
+        of the swarm's optimizers can follow this batch (:meth:`CountingProgressTracker.epoch_goes_on_after`), and
+        nothing reads the local gradients per batch (automatic optimization, no clipping, no loss scale)."""
+        module = self.lightning_module
+        optimizer = self.optimizers[0] if self.optimizers else None
+        return (
+            self.overlap_batches
+            and isinstance(optimizer, SwarmOptimizer)
+            and module.automatic_optimization
+            and not module.trainer.gradient_clip_val
+            and self._loss_scale() is None
+            and optimizer.tracker.epoch_goes_on_after(self._batch_size or 1)
+        )
+
+    def _finish_backward(self) -> None:
+        """Land the backward left running behind (:meth:`RemotePipeline.finish_backward`), its gradients weighted as
+        its own batch's: the optimizer weighs the gradients it accumulates by the batch in progress."""
+        if self._remote is None or self._trailing_batch_size is None:
+            return
+        scale, self._trailing_batch_size = self._trailing_batch_size / (self._batch_size or 1), None
+        self._remote.finish_backward(scale)
 
     def _loss_scale(self) -> Optional[float]:
         """The current scale of the Trainer's GradScaler (``16-mixed``), sent with gradients to stage servers."""

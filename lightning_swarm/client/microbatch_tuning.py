@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import threading
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -87,12 +88,14 @@ class MicrobatchTuner:
     def __init__(self, microbatches: Microbatches, num_stages: int) -> None:
         self.microbatches, self.num_stages = check_microbatches(microbatches), num_stages
         self._searches: dict[int, _Search] = {}
+        self._lock = threading.Lock()  # a trailing backward records its batch while the next batch counts
 
     def count(self, batch_size: int) -> int:
         """How many microbatches a batch of ``batch_size`` samples is split into now."""
         if self.microbatches != "auto":
             return microbatch_count(batch_size, self.microbatches)
-        return self._search(batch_size).next_count()
+        with self._lock:
+            return self._search(batch_size).next_count()
 
     def settled(self, batch_size: int) -> Optional[int]:
         """The count tuning chose for ``batch_size``, or None while it is still measuring (or for a fixed count)."""
@@ -102,6 +105,10 @@ class MicrobatchTuner:
     def record(self, batch_size: int, count: int, seconds: float) -> None:
         """A batch of ``batch_size`` samples split into ``count`` microbatches took ``seconds`` through the stages
         (forward and backward)."""
+        with self._lock:
+            self._record(batch_size, count, seconds)
+
+    def _record(self, batch_size: int, count: int, seconds: float) -> None:
         search = self._searches.get(batch_size)
         if search is None or search.challenger is None or count not in (search.best, search.challenger):
             return

@@ -24,6 +24,12 @@ default (``"auto"``) as many as measured fastest (``microbatch_tuning``). Side i
 batch are split with it; the others are shared by every microbatch. Outputs and input gradients are concatenated
 back, so the loss and the gradients equal the unsplit batch's: each microbatch's output gradient is scaled to be
 that of its own mean loss, which is what the stage optimizers accumulate, and the returned gradient is scaled back.
+
+A forward run while :attr:`RemotePipeline.trail_backward` is set leaves its backward running behind: autograd's
+backward through the pipeline only sends the output gradient on, and returns at once, so that the trainer's next
+batch starts its forward while the stages still compute this one's backward. The input gradient reaches the modules
+before the pipeline when :meth:`RemotePipeline.finish_backward` is called (the strategy calls it as the next batch's
+backward begins, and before training ends).
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
@@ -101,6 +108,15 @@ class Landing:
     scale: float = 1.0
 
 
+@dataclass(frozen=True)
+class Trailing:
+    """A backward left running behind (:meth:`RemotePipeline.finish_backward`): its input gradient to come, and the
+    pipeline's input as the model made it (None: nothing before the pipeline takes a gradient)."""
+
+    grad_inputs: Future
+    inputs: Optional[torch.Tensor]
+
+
 @dataclass
 class Route:
     """A microbatch's way through the hops: each hop's stage, input (as sent) and side inputs, the peer that ran it,
@@ -150,8 +166,14 @@ class RemotePipeline(nn.Module):
         self.spans = None if spans is None else [tuple(span) for span in spans]
         self.tuner = MicrobatchTuner(microbatches, router.num_stages)
         self.codec = compression.check_codec(codec)
+        self.trail_backward = False
+        """the backward of a forward run now may run behind, until :meth:`finish_backward` (see the module
+        docstring); set by the strategy per batch."""
         most = MAX_THREADS if self.tuner.microbatches == "auto" else self.tuner.microbatches
-        self._pool = ThreadPoolExecutor(most, "swarm-microbatch") if most > 1 else None
+        # a batch's forward beside the previous batch's trailing backward: twice the microbatches in flight
+        self._pool = ThreadPoolExecutor(2 * most, "swarm-microbatch") if most > 1 else None
+        self._behind = ThreadPoolExecutor(1, "swarm-backward")
+        self._trailing: deque[Trailing] = deque()
 
     @property
     def num_stages(self) -> int:
@@ -173,7 +195,9 @@ class RemotePipeline(nn.Module):
         if not torch.is_grad_enabled():
             return self.run_forward(inputs, segment=segment)[0]
         anchor = torch.empty(0, device=inputs.device, requires_grad=True)  # backward reaches the stages through it
-        return _RemoteStages.apply(self, anchor, inputs, segment)
+        if self.trail_backward:  # the input's graph is held apart, for finish_backward: the loss's backward stops here
+            return _RemoteStages.apply(self, anchor, inputs.detach(), segment, _Held(inputs))
+        return _RemoteStages.apply(self, anchor, inputs, segment, None)
 
     def run_forward(
         self, inputs: torch.Tensor, keep: bool = False, segment: Optional[Segment] = None
@@ -212,9 +236,36 @@ class RemotePipeline(nn.Module):
         self._map(self._backward_route, grads, routes, [loss_scale] * scale, landings)
         return grad_inputs
 
+    def finish_backward(self, scale: float = 1.0) -> None:
+        """Wait for the backwards left running behind, oldest first, and take their input gradients, times
+        ``scale``, back through the modules before the pipeline; a failed one raises here. A segment run before one
+        of them (the model read an activation between stages) is taken back in turn, unscaled."""
+        while self._trailing:
+            trailing, self._trailing = self._trailing, deque()
+            for behind in trailing:
+                grad_inputs = behind.grad_inputs.result()
+                if behind.inputs is not None and behind.inputs.requires_grad:
+                    grad = grad_inputs.to(device=behind.inputs.device, dtype=behind.inputs.dtype)
+                    torch.autograd.backward(behind.inputs, grad * scale if scale != 1.0 else grad)
+            scale = 1.0
+
+    def _leave_behind(self, grad_outputs: torch.Tensor, routes: list[Route], started: float, inputs: _Held) -> None:
+        """Run the backward along ``routes`` on the backward thread; :meth:`finish_backward` lands it."""
+        grad_inputs = self._behind.submit(self._backward_timed, grad_outputs, routes, started)
+        self._trailing.append(Trailing(grad_inputs, inputs.tensor if inputs.tensor.requires_grad else None))
+        self.router.stats.add(trailing=1)
+
+    def _backward_timed(self, grad_outputs: torch.Tensor, routes: list[Route], started: float) -> torch.Tensor:
+        """:meth:`run_backward`, the batch's time from its forward's start recorded for microbatch tuning."""
+        grad_inputs = self.run_backward(grad_outputs, routes)
+        batch_size = grad_outputs.shape[0] if grad_outputs.ndim else 1
+        self.tuner.record(batch_size, len(routes), time.perf_counter() - started)
+        return grad_inputs
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+        self._behind.shutdown(wait=False)
 
     @property
     def boundaries(self) -> set[int]:
@@ -590,25 +641,38 @@ class _ChainStopped(Exception):
         self.failed: Optional[tuple[int, str, str]] = stops[-1] if stops else None
 
 
+@dataclass(frozen=True)
+class _Held:
+    """The pipeline's input with its graph, kept out of autograd's view of the pipeline (a trailing backward)."""
+
+    tensor: torch.Tensor
+
+
 class _RemoteStages(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, pipeline: RemotePipeline, anchor: torch.Tensor, inputs: torch.Tensor, segment: Optional[Segment]
+        ctx,
+        pipeline: RemotePipeline,
+        anchor: torch.Tensor,
+        inputs: torch.Tensor,
+        segment: Optional[Segment],
+        held: Optional[_Held],
     ) -> torch.Tensor:
         started = time.perf_counter()
         outputs, routes = pipeline.run_forward(inputs, keep=True, segment=segment)
-        ctx.pipeline, ctx.routes, ctx.started = pipeline, routes, started
+        ctx.pipeline, ctx.routes, ctx.started, ctx.held = pipeline, routes, started, held
         ctx.input_device, ctx.input_dtype = inputs.device, inputs.dtype
         return outputs
 
     @staticmethod
     def backward(ctx, grad_outputs: torch.Tensor):
-        grad_inputs = ctx.pipeline.run_backward(grad_outputs, ctx.routes)
-        batch_size = grad_outputs.shape[0] if grad_outputs.ndim else 1
-        ctx.pipeline.tuner.record(batch_size, len(ctx.routes), time.perf_counter() - ctx.started)
+        if ctx.held is not None:
+            ctx.pipeline._leave_behind(grad_outputs, ctx.routes, ctx.started, ctx.held)
+            return None, None, None, None, None
+        grad_inputs = ctx.pipeline._backward_timed(grad_outputs, ctx.routes, ctx.started)
         if not ctx.needs_input_grad[2]:
-            return None, None, None, None
-        return None, None, grad_inputs.to(device=ctx.input_device, dtype=ctx.input_dtype), None
+            return None, None, None, None, None
+        return None, None, grad_inputs.to(device=ctx.input_device, dtype=ctx.input_dtype), None, None
 
 
 def _assembly(like: torch.Tensor, shape: list[int], dtype: torch.dtype) -> torch.Tensor:

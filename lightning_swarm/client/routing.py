@@ -140,6 +140,7 @@ class RouterStats:
     # chained forwards that a stage server could not hand on (ChainBrokenError), relayed by this process instead:
     # each also a failover, with no failed call of this process behind it
     chain_breaks: int = 0
+    trailing: int = 0  # backwards through the stages (one per pipeline call) left running behind the next forward
     seconds: dict = field(default_factory=dict)  # stage -> seconds spent in successful calls to it
     chosen: dict = field(default_factory=dict)  # peer id -> number of calls sent there
     # peer id -> number of those calls that failed, and of the calls that stage servers handing this process's

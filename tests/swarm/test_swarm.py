@@ -87,6 +87,28 @@ def test_exact_against_single_process(swarm, tmp_path, microbatches, precision, 
     assert swarm_history["losses"] == pytest.approx(plain_history["losses"], abs=loss_tolerance)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_target_of_two_batches_equals_plain_accumulation_with_backwards_trailing(swarm, tmp_path, overlap):
+    """Compression off, one peer per stage, one trainer, a target of two batches: the parameters after 4 steps (8
+    batches) equal plain training's with ``accumulate_grad_batches=2``, up to float summation order, when the first
+    batch of each step leaves its backward running behind the second's forward (the embedding's gradient landing
+    as the second's backward begins), and when every batch waits for its backward (``overlap_batches=False``)."""
+    env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_COMPRESSION": "none", "SWARM_MICROBATCHES": "2"}
+    env.update(SWARM_DELAYED_UPDATES="false", SWARM_TARGET_BATCH_SIZE="16", SWARM_OVERLAP_BATCHES=str(overlap))
+    swarm.start("stage1", SMALL_GPT, env={**env, "SWARM_ROLE": "serve", "SWARM_STAGE": "1"})
+    out = [*SMALL_GPT, "--max-steps", "8", "--save", str(tmp_path / "swarm.ckpt"), "--history", str(tmp_path / "h")]
+    swarm.start("trainer", out, env={**env, "SWARM_STAGE": "0"})
+    assert swarm.wait("trainer", timeout=240) == 0, swarm.peers["trainer"].log()[-3000:]
+
+    swarm_state = torch.load(tmp_path / "swarm.ckpt", weights_only=False)["state_dict"]
+    plain_state = plain_training([*SMALL_GPT, "--max-steps", "4", "--accumulate", "2"], tmp_path)[0]
+    worst = max((swarm_state[k] - plain_state[k]).abs().max().item() for k in plain_state)
+    moved = max((swarm_state[k] - initial_gpt_state()[k]).abs().max().item() for k in plain_state)
+    print(f"accumulation (overlap {overlap}): max |swarm - plain| after 4 steps of 2 batches = {worst:.3g}")
+    assert worst <= 5e-4 and moved > 1e-3  # as with microbatches: summation order, through Adam
+    assert history(tmp_path / "h")["trailing"] == (4 if overlap else 0)  # batches 1, 3, 5, 7 end a step
+
+
 def test_bf16_mixed_with_8bit_compression_follows_plain_bf16_mixed_training(swarm, tmp_path):
     """bf16-mixed with the default 8-bit codec (bf16 activations quantized natively): the loss of every step stays
     within a tolerance of plain bf16-mixed training of the same model and data."""

@@ -116,3 +116,76 @@ def test_a_batch_assembled_in_place_under_inference_mode():
             assert torch.equal(pipeline(x), x)
     finally:
         pipeline.close()
+
+
+class GatedRouter(EchoRouter):
+    """An EchoRouter whose backward calls wait for ``gate`` (and raise ``error`` if set)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.error = threading.Event(), None
+
+    def call(self, stage, method, messages, metadata, batch, prefer=None, check=None):
+        if method == "backward":
+            assert self.gate.wait(30), "the backward was never released"
+            if self.error is not None:
+                raise self.error
+        return super().call(stage, method, messages, metadata, batch, prefer, check)
+
+
+def test_a_trailing_backward_runs_behind_the_next_forward_and_lands_the_same_gradients():
+    """With ``trail_backward`` the loss's backward returns while the stages' backward is held; the next batch's
+    forward goes through meanwhile; ``finish_backward`` then takes the input gradient through the module before the
+    pipeline, times its scale, once (the second of two pipeline calls in a row trails the first's): the gradients of
+    a backward that waited, scaled."""
+    torch.manual_seed(0)
+    embed, x, w = torch.nn.Linear(5, 5), torch.randn(6, 5), torch.randn(6, 5)
+    router = GatedRouter()
+    pipeline = RemotePipeline(router, codec="none", microbatches=2)
+
+    def loss(batch: torch.Tensor) -> torch.Tensor:
+        return (pipeline(pipeline(embed(batch)) * 2) * w).sum()
+
+    try:
+        router.gate.set()
+        loss(x).backward()
+        waited = embed.weight.grad.clone()
+        embed.zero_grad()
+
+        router.gate.clear()
+        pipeline.trail_backward = True
+        loss(x).backward()  # returns with the stages' backward held
+        assert embed.weight.grad is None and router.stats.trailing == 1
+        pipeline.trail_backward = False
+        following = torch.randn(6, 5, requires_grad=True)
+        y = pipeline(following)  # the next batch's forward, beside it
+        torch.testing.assert_close(y, following)
+        router.gate.set()
+        pipeline.finish_backward(scale=0.5)
+        torch.testing.assert_close(embed.weight.grad, 0.5 * waited)
+        (y * w).sum().backward()
+        torch.testing.assert_close(following.grad, w)
+        pipeline.finish_backward()  # nothing left: nothing changes
+        torch.testing.assert_close(embed.weight.grad, 0.5 * waited)
+    finally:
+        pipeline.close()
+
+
+def test_a_trailing_backward_that_failed_raises_when_it_is_landed():
+    router = GatedRouter()
+    router.error = RuntimeError("stage 1 is gone")
+    pipeline = RemotePipeline(router, codec="none", microbatches=1)
+    pipeline.trail_backward = True
+    try:
+        x = torch.randn(4, 3, requires_grad=True)
+        pipeline(x * 1.0).sum().backward()  # the failure comes later, on the backward thread
+        router.gate.set()
+        try:
+            pipeline.finish_backward()
+        except RuntimeError as e:
+            assert "stage 1 is gone" in str(e)
+        else:
+            raise AssertionError("a failed trailing backward landed silently")
+        assert x.grad is None
+    finally:
+        pipeline.close()
