@@ -404,9 +404,11 @@ def analyse(run: dict, phases: list[dict], calibration: emu.Calibration, d_model
     waiting = union([(float(x["t0"]), float(serve[k]["t0"])) for k, x in submit.items() if k in first and k in serve])
     starting = union([(float(x["t0"]), first[k]) for k, x in serve.items() if k in first])
     stepping = union([(float(x["t0"]), float(x["t1"])) for x in r[np_isin(kind, (emu.HANDOVER, emu.STEP))]])
-    pipe_f = sorted(float(x["t0"]) for x in r[kind == emu.PIPE_FORWARD])
-    pipe_b = sorted(float(x["t1"]) for x in r[kind == emu.PIPE_BACKWARD])
-    between = union([(b, next((f for f in pipe_f if f > b), b)) for b in pipe_b])
+    # a batch is in flight while the trainer runs a forward or a backward through the stages (a trailing backward
+    # runs beside the next batch's forward)
+    in_flight = union(
+        [(float(x["t0"]), float(x["t1"])) for x in r[np_isin(kind, (emu.PIPE_FORWARD, emu.PIPE_BACKWARD))]]
+    )
     batch_rows = r[kind == emu.BATCH]
     routes = r[kind == emu.ROUTE]
 
@@ -426,8 +428,8 @@ def analyse(run: dict, phases: list[dict], calibration: emu.Calibration, d_model
         rest = subtract(idle, stepping)
         idle_queued = intersect(rest, pending)
         turnaround = subtract(rest, pending)
-        idle_between = intersect(turnaround, between)
-        idle_flight = subtract(turnaround, between)
+        idle_flight = intersect(turnaround, in_flight)
+        idle_between = subtract(turnaround, in_flight)
         ideal = (total(busy) - recompute) / n
         gaps = [e - s for s, e in idle_queued]
         at_worker = intersect(idle_queued, starting)

@@ -441,8 +441,9 @@ class SwarmStrategy(Strategy):
 
     def _may_trail_backward(self) -> bool:
         """Whether this batch's backward may run on behind the next batch's forward (``overlap_batches``): no step
-        of the swarm's optimizers can follow this batch (:meth:`CountingProgressTracker.epoch_goes_on_after`), and
-        nothing reads the local gradients per batch (automatic optimization, no clipping, no loss scale)."""
+        of the swarm's optimizers can follow this batch (:meth:`CountingProgressTracker.epoch_goes_on_after`),
+        nothing reads the local gradients per batch (automatic optimization, no clipping, no loss scale), and no
+        move to another stage waits (it waits for nothing trailing)."""
         module = self.lightning_module
         optimizer = self.optimizers[0] if self.optimizers else None
         return (
@@ -451,6 +452,7 @@ class SwarmStrategy(Strategy):
             and module.automatic_optimization
             and not module.trainer.gradient_clip_val
             and self._loss_scale() is None
+            and not self.host.move_planned  # the stage this peer serves may be on the way back
             and optimizer.tracker.epoch_goes_on_after(self._batch_size or 1)
         )
 
@@ -482,7 +484,7 @@ class SwarmStrategy(Strategy):
     def _service(self) -> None:
         """On the training (or serving) thread, between steps: carry out a planned move, then hand the queued
         swarm events to the callbacks."""
-        if self.host is not None:
+        if self.host is not None and self._trailing_batch_size is None:  # else it moves once the backward landed
             self.host.carry_out_move()
         dispatch(self.lightning_module.trainer, self.events.drain())
 

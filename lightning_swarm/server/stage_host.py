@@ -378,6 +378,11 @@ class StageHost:
         with self._move_lock:
             self._pending_move = (move, plan)
 
+    @property
+    def move_planned(self) -> bool:
+        """Whether the rebalancer planned a move that was not carried out yet."""
+        return self._pending_move is not None
+
     def carry_out_move(self) -> None:
         """On the training (or serving) thread, between steps: carry out the move the rebalancer planned, if any."""
         with self._move_lock:

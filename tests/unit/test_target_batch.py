@@ -8,6 +8,7 @@ import copy
 import pickle
 from concurrent.futures import Future
 
+from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from lightning_swarm import discovery
@@ -140,3 +141,43 @@ def test_a_per_trainer_target_is_one_peers_batch_as_an_int_and_survives_copies()
     assert target == 16 and int(target) == 16 and target.total(4) == 64 and target.total(None) == 16
     for copied in (copy.deepcopy(target), pickle.loads(pickle.dumps(target))):
         assert isinstance(copied, PerTrainerBatch) and copied == 16 and copied.keys == KEYS
+
+
+def test_the_epoch_goes_on_after_a_batch_while_that_batch_from_each_contributor_stays_short_of_the_target():
+    """What lets a trainer's backward run on behind its next batch: its own samples now, the others' as last
+    fetched, plus one batch from itself and from each other peer with samples of its epoch, stay below the target
+    (a peer without samples adds nothing)."""
+    node = SwarmNode().start()
+    try:
+        tracker = CountingProgressTracker(dht=node.dht, prefix="goes_on", target_batch_size=64, start=False)
+        epoch = tracker.local_progress.epoch
+
+        def swarm(mine: int, *others: tuple[int, int]) -> None:
+            tracker.local_progress = tracker.local_progress.copy(update=dict(samples_accumulated=mine))
+            now = get_dht_time()
+            entries = {
+                f"p{i}": ValueWithExpiration(
+                    LocalTrainingProgress(
+                        peer_id=f"peer{i}".encode(),
+                        epoch=epoch + at,
+                        samples_accumulated=samples,
+                        samples_per_second=0.0,
+                        time=now,
+                        client_mode=False,
+                    ).dict(),
+                    now + 60,
+                )
+                for i, (at, samples) in enumerate(others)
+            }
+            tracker._parse_swarm_progress_data(entries)
+
+        swarm(48)
+        assert tracker.epoch_goes_on_after(8)  # 56 < 64
+        swarm(56)
+        assert not tracker.epoch_goes_on_after(8)  # this batch ends the epoch
+        swarm(32, (0, 16))
+        assert not tracker.epoch_goes_on_after(8)  # 48, and a batch from each of two trainers: 64
+        swarm(24, (0, 16), (0, 0))
+        assert tracker.epoch_goes_on_after(8)  # 40 + 16: the peer without samples adds nothing
+    finally:
+        node.shutdown()
