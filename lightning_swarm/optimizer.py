@@ -396,9 +396,11 @@ class CountingProgressTracker(ProgressTracker):
 
     def epoch_goes_on_after(self, batch_size: int) -> bool:
         """Whether the epoch cannot end with this peer's next batch of ``batch_size`` samples: the samples counted
-        (:meth:`_counted`), plus that batch from this peer and from each other peer with samples, stay short of the
-        target."""
+        (:meth:`_counted`), plus that batch from this peer and from each other peer with samples (or, where the
+        trainers are counted, from each other trainer, at the start of an epoch too), stay short of the target."""
         counted, contributors = self._counted()
+        if self.trainers is not None:
+            contributors = max(contributors, (self.trainers.count or 1) - 1)
         return counted + batch_size * (1 + contributors) < self.target_batch_size
 
 

@@ -146,7 +146,7 @@ def test_a_per_trainer_target_is_one_peers_batch_as_an_int_and_survives_copies()
 def test_the_epoch_goes_on_after_a_batch_while_that_batch_from_each_contributor_stays_short_of_the_target():
     """What lets a trainer's backward run on behind its next batch: its own samples now, the others' as last
     fetched, plus one batch from itself and from each other peer with samples of its epoch, stay below the target
-    (a peer without samples adds nothing)."""
+    (a peer without samples adds nothing, unless the trainers are counted: then every other trainer adds its batch)."""
     node = SwarmNode().start()
     try:
         tracker = CountingProgressTracker(dht=node.dht, prefix="goes_on", target_batch_size=64, start=False)
@@ -179,5 +179,11 @@ def test_the_epoch_goes_on_after_a_batch_while_that_batch_from_each_contributor_
         assert not tracker.epoch_goes_on_after(8)  # 48, and a batch from each of two trainers: 64
         swarm(24, (0, 16), (0, 0))
         assert tracker.epoch_goes_on_after(8)  # 40 + 16: the peer without samples adds nothing
+        tracker.trainers = TrainerCount(_FakeDHT(), KEYS)
+        tracker.trainers.count = 3
+        swarm(0)
+        assert tracker.epoch_goes_on_after(8)  # a batch from each of three trainers: 24
+        swarm(40)
+        assert not tracker.epoch_goes_on_after(8)  # 40 + 24: the trainers without samples yet count
     finally:
         node.shutdown()
