@@ -35,11 +35,13 @@ backward begins, and before training ends).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
@@ -173,6 +175,7 @@ class RemotePipeline(nn.Module):
         # a batch's forward beside the previous batch's trailing backward: twice the microbatches in flight
         self._pool = ThreadPoolExecutor(2 * most, "swarm-microbatch") if most > 1 else None
         self._behind = ThreadPoolExecutor(1, "swarm-backward")
+        self._slots = _Slots()
         self._trailing: deque[Trailing] = deque()
 
     @property
@@ -218,22 +221,29 @@ class RemotePipeline(nn.Module):
         else:
             output, landings = None, [Landing(inputs.device)] * n
         hidden = compression.encode_split(inputs, self.codec, sizes)  # one pass for all microbatches
-        results = self._map(self._forward_route, hidden, sides, [hops] * n, [keep] * n, [train] * n, landings)
+        forward = partial(self._slots.run, n, self._forward_route)  # behind a trailing backward's microbatches
+        results = self._map(forward, hidden, sides, [hops] * n, [keep] * n, [train] * n, landings)
         if output is None:
             output = torch.cat([decoded for decoded, _ in results]).to(inputs.device)
         return output, [route for _, route in results]
 
-    def run_backward(self, grad_outputs: torch.Tensor, routes: list[Route]) -> torch.Tensor:
+    def run_backward(self, grad_outputs: torch.Tensor, routes: list[Route], reserved: bool = False) -> torch.Tensor:
         """Backward through the hops along the routes of ``run_forward``, microbatches concurrently; their input
-        gradients are decoded into one tensor."""
-        first, scale = routes[0].inputs[0], len(routes)  # equal microbatches
-        sizes = [int(route.inputs[0].size[0]) for route in routes]
-        shape, dtype = [sum(sizes), *first.size[1:]], compression.decoded_dtype(first)
-        grad_inputs = _assembly(grad_outputs, shape, dtype)
-        landings = [Landing(grad_outputs.device, out, scale) for out in grad_inputs.split(sizes)]
-        loss_scale = self.loss_scale() if self.loss_scale is not None else None
-        grads = compression.encode_split(grad_outputs, self.codec, sizes, scale)  # each its microbatch's mean loss
-        self._map(self._backward_route, grads, routes, [loss_scale] * scale, landings)
+        gradients are decoded into one tensor. ``reserved``: their places in flight were taken already."""
+        if not reserved:
+            self._slots.reserve(len(routes))
+        try:
+            first, scale = routes[0].inputs[0], len(routes)  # equal microbatches
+            sizes = [int(route.inputs[0].size[0]) for route in routes]
+            shape, dtype = [sum(sizes), *first.size[1:]], compression.decoded_dtype(first)
+            grad_inputs = _assembly(grad_outputs, shape, dtype)
+            landings = [Landing(grad_outputs.device, out, scale) for out in grad_inputs.split(sizes)]
+            loss_scale = self.loss_scale() if self.loss_scale is not None else None
+            grads = compression.encode_split(grad_outputs, self.codec, sizes, scale)  # each its microbatch's mean loss
+        except BaseException:
+            self._slots.free(len(routes))
+            raise
+        self._map(partial(self._slots.held, self._backward_route), grads, routes, [loss_scale] * scale, landings)
         return grad_inputs
 
     def finish_backward(self, scale: float = 1.0) -> None:
@@ -251,13 +261,20 @@ class RemotePipeline(nn.Module):
 
     def _leave_behind(self, grad_outputs: torch.Tensor, routes: list[Route], started: float, inputs: _Held) -> None:
         """Run the backward along ``routes`` on the backward thread; :meth:`finish_backward` lands it."""
-        grad_inputs = self._behind.submit(self._backward_timed, grad_outputs, routes, started)
+        self._slots.reserve(len(routes))  # before the next batch's forward asks for places
+        try:
+            grad_inputs = self._behind.submit(self._backward_timed, grad_outputs, routes, started, reserved=True)
+        except BaseException:
+            self._slots.free(len(routes))
+            raise
         self._trailing.append(Trailing(grad_inputs, inputs.tensor if inputs.tensor.requires_grad else None))
         self.router.stats.add(trailing=1)
 
-    def _backward_timed(self, grad_outputs: torch.Tensor, routes: list[Route], started: float) -> torch.Tensor:
+    def _backward_timed(
+        self, grad_outputs: torch.Tensor, routes: list[Route], started: float, reserved: bool = False
+    ) -> torch.Tensor:
         """:meth:`run_backward`, the batch's time from its forward's start recorded for microbatch tuning."""
-        grad_inputs = self.run_backward(grad_outputs, routes)
+        grad_inputs = self.run_backward(grad_outputs, routes, reserved)
         batch_size = grad_outputs.shape[0] if grad_outputs.ndim else 1
         self.tuner.record(batch_size, len(routes), time.perf_counter() - started)
         return grad_inputs
@@ -639,6 +656,42 @@ class _ChainStopped(Exception):
         super().__init__(receipt.error)
         stops = [(stage, peer, error) for stage, _, peer, retried_on, error in receipt.failovers if not retried_on]
         self.failed: Optional[tuple[int, str, str]] = stops[-1] if stops else None
+
+
+class _Slots:
+    """This pipeline's microbatches in flight. A batch's forward takes a place for each of its microbatches, at most
+    as many as it has: while the previous batch's backward trails, its microbatches start as the backward's end, so
+    that a stage holds no more of this trainer's requests than one batch's microbatches (its fair share of the
+    stage's queue; more were answered busy, and a backward answered busy recomputes elsewhere)."""
+
+    def __init__(self) -> None:
+        self._used = 0
+        self._changed = threading.Condition()
+
+    def reserve(self, count: int) -> None:
+        """Take ``count`` places at once, without waiting (a backward's, sent after its forward freed them)."""
+        with self._changed:
+            self._used += count
+
+    def free(self, count: int = 1) -> None:
+        with self._changed:
+            self._used -= count
+            self._changed.notify_all()
+
+    def run(self, limit: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a place taken once fewer than ``limit`` are taken (a trailing backward's microbatches
+        each end: every call they make has a timeout)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._used < limit)
+            self._used += 1
+        return self.held(fn, *args)
+
+    def held(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a place taken already, freed when it returns."""
+        try:
+            return fn(*args)
+        finally:
+            self.free()
 
 
 @dataclass(frozen=True)

@@ -119,25 +119,34 @@ def test_a_batch_assembled_in_place_under_inference_mode():
 
 
 class GatedRouter(EchoRouter):
-    """An EchoRouter whose backward calls wait for ``gate`` (and raise ``error`` if set)."""
+    """An EchoRouter whose backward calls wait for ``gate`` (and raise ``error`` if set); ``most`` counts the calls
+    in flight, waiting ones included."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.gate, self.error = threading.Event(), None
+        self.gate, self.error, self.waiting = threading.Event(), None, 0
 
     def call(self, stage, method, messages, metadata, batch, prefer=None, check=None):
-        if method == "backward":
-            assert self.gate.wait(30), "the backward was never released"
-            if self.error is not None:
-                raise self.error
-        return super().call(stage, method, messages, metadata, batch, prefer, check)
+        with self.lock:
+            self.waiting += 1
+            self.most = max(self.most, self.waiting)
+        try:
+            if method == "backward":
+                assert self.gate.wait(30), "the backward was never released"
+                if self.error is not None:
+                    raise self.error
+            return super().call(stage, method, messages, metadata, batch, prefer, check)
+        finally:
+            with self.lock:
+                self.waiting -= 1
 
 
 def test_a_trailing_backward_runs_behind_the_next_forward_and_lands_the_same_gradients():
     """With ``trail_backward`` the loss's backward returns while the stages' backward is held; the next batch's
-    forward goes through meanwhile; ``finish_backward`` then takes the input gradient through the module before the
-    pipeline, times its scale, once (the second of two pipeline calls in a row trails the first's): the gradients of
-    a backward that waited, scaled."""
+    forward starts meanwhile, its microbatches taking the places of the backward's as they end (never more than a
+    batch's microbatches in flight: a stage's fair share); ``finish_backward`` then takes the input gradient through
+    the module before the pipeline, times its scale, once (the second of two pipeline calls in a row trails the
+    first's): the gradients of a backward that waited, scaled."""
     torch.manual_seed(0)
     embed, x, w = torch.nn.Linear(5, 5), torch.randn(6, 5), torch.randn(6, 5)
     router = GatedRouter()
@@ -158,16 +167,23 @@ def test_a_trailing_backward_runs_behind_the_next_forward_and_lands_the_same_gra
         assert embed.weight.grad is None and router.stats.trailing == 1
         pipeline.trail_backward = False
         following = torch.randn(6, 5, requires_grad=True)
-        y = pipeline(following)  # the next batch's forward, beside it
-        torch.testing.assert_close(y, following)
+        outputs = []
+        forward = threading.Thread(target=lambda: outputs.append(pipeline(following)))  # the next batch
+        forward.start()
+        forward.join(0.5)
+        assert forward.is_alive() and router.most == 2  # it waits for the held backward's places
         router.gate.set()
+        forward.join(30)
+        torch.testing.assert_close(outputs[0], following)
+        assert router.most == 2
         pipeline.finish_backward(scale=0.5)
         torch.testing.assert_close(embed.weight.grad, 0.5 * waited)
-        (y * w).sum().backward()
+        (outputs[0] * w).sum().backward()
         torch.testing.assert_close(following.grad, w)
         pipeline.finish_backward()  # nothing left: nothing changes
         torch.testing.assert_close(embed.weight.grad, 0.5 * waited)
     finally:
+        router.gate.set()
         pipeline.close()
 
 
