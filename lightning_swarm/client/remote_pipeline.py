@@ -221,7 +221,7 @@ class RemotePipeline(nn.Module):
         else:
             output, landings = None, [Landing(inputs.device)] * n
         hidden = compression.encode_split(inputs, self.codec, sizes)  # one pass for all microbatches
-        forward = partial(self._slots.run, n, self._forward_route)  # behind a trailing backward's microbatches
+        forward = partial(self._slots.run, self._places(n), self._forward_route)
         results = self._map(forward, hidden, sides, [hops] * n, [keep] * n, [train] * n, landings)
         if output is None:
             output = torch.cat([decoded for decoded, _ in results]).to(inputs.device)
@@ -245,6 +245,13 @@ class RemotePipeline(nn.Module):
             raise
         self._map(partial(self._slots.held, self._backward_route), grads, routes, [loss_scale] * scale, landings)
         return grad_inputs
+
+    def _places(self, count: int) -> int:
+        """How many microbatches may be in flight while a batch of ``count`` starts its forward: ``count`` where
+        this process sends both a forward and a backward to the same stage's queue (star wiring, or one stage);
+        under chain wiring a stage's queue holds this process's forwards (the first stage) or backwards (the last)
+        and the other direction's come from the peer handing them on, each within its own share: twice."""
+        return count if self.wiring == "star" or self.num_stages == 1 else 2 * count
 
     def finish_backward(self, scale: float = 1.0) -> None:
         """Wait for the backwards left running behind, oldest first, and take their input gradients, times
@@ -659,10 +666,11 @@ class _ChainStopped(Exception):
 
 
 class _Slots:
-    """This pipeline's microbatches in flight. A batch's forward takes a place for each of its microbatches, at most
-    as many as it has: while the previous batch's backward trails, its microbatches start as the backward's end, so
-    that a stage holds no more of this trainer's requests than one batch's microbatches (its fair share of the
-    stage's queue; more were answered busy, and a backward answered busy recomputes elsewhere)."""
+    """This pipeline's microbatches in flight. A batch's forward takes a place for each of its microbatches, within
+    a limit (:meth:`RemotePipeline._places`): while the previous batch's backward trails, its microbatches start as
+    the backward's end where needed, so that a stage's queue holds no more of this trainer's own requests than one
+    batch's microbatches (its fair share under contention; more were answered busy, and a backward answered busy
+    recomputes elsewhere)."""
 
     def __init__(self) -> None:
         self._used = 0
