@@ -113,8 +113,10 @@ class SwarmSettings:
     gradient it brings back reaches the modules before the pipeline (the embedding) as the next batch's backward
     begins, so ``on_after_backward`` sees those modules' gradients one batch late (the sums stepped on are
     unchanged). Only under automatic optimization, without gradient clipping and without ``16-mixed``'s loss
-    scaling. Default True: on the GPU proxy (d_model 2048, target 128) it raised the share of the device's time
-    spent computing from 0.851-0.870 to 0.894-0.904 (``benchmarks/RESULTS.md``)."""
+    scaling. The next batch's microbatches start as the backward's end where this peer sends both directions to
+    one stage's queue (star wiring, one stage), so that it keeps its fair share of that queue. Default True: on the
+    GPU proxy at target 128 it raised the share of the device's time spent computing from 0.85-0.86 to 0.89-0.92 at
+    d_model 2048 and from 0.56-0.63 to 0.70-0.77 at 1024 (``benchmarks/RESULTS.md``)."""
     checkpoint_activations: bool = field(default=False, metadata={CAST: flag})
     """a stage server keeps only each block's input from a training forward and recomputes the block in backward
     (activation checkpointing): memory stays flat with many microbatches in flight, for about one more forward
