@@ -61,8 +61,8 @@ def test_callbacks_receive_every_event_type(swarm, tmp_path):
     stay = {**serve, "SWARM_REBALANCE_PERIOD": "0"}
     # a serving peer's record outlives it by one to two update periods: the recorder's router picks the killed one
     # in that time, and fails over. With 6 s, a CI run once saw no pick of it before its record expired (the
-    # recorder held in a round, or the victim's weight low among three peers)
-    victim_env = {**stay, "SWARM_UPDATE_PERIOD": "15.0"}
+    # recorder held in a round, or the victim's weight low among three peers); with 15 s, once again
+    victim_env = {**stay, "SWARM_UPDATE_PERIOD": "30.0"}
     swarm.start("x", SMALL_GPT, env=stay)
     # the recorder stays at stage 0 (it does not rebalance itself), so that it calls stage 1 over the network
     recorder_env = {**env, "SWARM_STAGE": "0", "SWARM_REBALANCE_PERIOD": "0"}
