@@ -38,7 +38,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -176,7 +175,7 @@ class RemotePipeline(nn.Module):
         self._pool = ThreadPoolExecutor(2 * most, "swarm-microbatch") if most > 1 else None
         self._behind = ThreadPoolExecutor(1, "swarm-backward")
         self._slots = _Slots()
-        self._trailing: deque[Trailing] = deque()
+        self._trailing: list[Trailing] = []
 
     @property
     def num_stages(self) -> int:
@@ -258,10 +257,10 @@ class RemotePipeline(nn.Module):
         ``scale``, back through the modules before the pipeline; a failed one raises here. A segment run before one
         of them (the model read an activation between stages) is taken back in turn, unscaled."""
         while self._trailing:
-            trailing, self._trailing = self._trailing, deque()
+            trailing, self._trailing = self._trailing, []
             for behind in trailing:
                 grad_inputs = behind.grad_inputs.result()
-                if behind.inputs is not None and behind.inputs.requires_grad:
+                if behind.inputs is not None:
                     grad = grad_inputs.to(device=behind.inputs.device, dtype=behind.inputs.dtype)
                     torch.autograd.backward(behind.inputs, grad * scale if scale != 1.0 else grad)
             scale = 1.0
