@@ -503,7 +503,7 @@ def save(new: list[dict], out: Path) -> None:
     data = out.parent / "results" / "gpu.json"
     runs = json.loads(data.read_text())["runs"] if data.exists() else []
     runs = with_loss_gaps(merge(runs, new))
-    data.parent.mkdir(exist_ok=True)
+    data.parent.mkdir(parents=True, exist_ok=True)  # an --out in a folder not made yet (a lost run, 2026-11-27)
     data.with_suffix(".tmp").write_text(json.dumps({"runs": runs}, indent=1) + "\n")
     data.with_suffix(".tmp").replace(data)  # whole, even if a signal stops the benchmark here
     write(runs, out)

@@ -103,8 +103,8 @@ class MicrobatchTuner:
         return search.best if search is not None and search.challenger is None else None
 
     def record(self, batch_size: int, count: int, seconds: float) -> None:
-        """A batch of ``batch_size`` samples split into ``count`` microbatches took ``seconds`` through the stages
-        (forward and backward)."""
+        """A batch of ``batch_size`` samples split into ``count`` microbatches took ``seconds`` of the stages' time
+        (forward and backward; where batches overlap, from the end of the batch before)."""
         with self._lock:
             self._record(batch_size, count, seconds)
 

@@ -176,6 +176,7 @@ class RemotePipeline(nn.Module):
         self._behind = ThreadPoolExecutor(1, "swarm-backward")
         self._slots = _Slots()
         self._trailing: list[Trailing] = []
+        self._latest = (0.0, 0.0)  # the latest backward through the stages: its forward's start, its end
 
     @property
     def num_stages(self) -> int:
@@ -279,10 +280,17 @@ class RemotePipeline(nn.Module):
     def _backward_timed(
         self, grad_outputs: torch.Tensor, routes: list[Route], started: float, reserved: bool = False
     ) -> torch.Tensor:
-        """:meth:`run_backward`, the batch's time from its forward's start recorded for microbatch tuning."""
+        """:meth:`run_backward`, with the seconds the stages spent on this batch alone recorded for microbatch
+        tuning: from its forward's start, or from the end of an earlier forward's backward that ended later (a
+        trailing backward the forward overlapped), to its backward's end. Its latency would count its wait behind
+        the batch before it, and the count should win throughput."""
         grad_inputs = self.run_backward(grad_outputs, routes, reserved)
         batch_size = grad_outputs.shape[0] if grad_outputs.ndim else 1
-        self.tuner.record(batch_size, len(routes), time.perf_counter() - started)
+        ended = time.perf_counter()
+        earlier_started, earlier_ended = self._latest
+        since = max(started, earlier_ended) if earlier_started < started else started
+        self.tuner.record(batch_size, len(routes), ended - since)
+        self._latest = (started, ended)
         return grad_inputs
 
     def close(self) -> None:

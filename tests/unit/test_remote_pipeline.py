@@ -205,3 +205,46 @@ def test_a_trailing_backward_that_failed_raises_when_it_is_landed():
         assert x.grad is None
     finally:
         pipeline.close()
+
+
+def test_microbatch_tuning_times_an_overlapped_batch_from_the_end_of_the_backward_before(monkeypatch):
+    """A batch whose forward overlapped the previous batch's trailing backward is timed from that backward's end,
+    not from its own start: the wait behind the batch before is not its cost (timing it made "auto" climb to the
+    most microbatches on an H200 at target 128). A batch that did not overlap, and the earlier segment of a batch
+    of two pipeline calls, are timed from their forward's start. The clock is set by hand."""
+    from lightning_swarm.client import remote_pipeline
+
+    clock = [0.0]
+    monkeypatch.setattr(remote_pipeline.time, "perf_counter", lambda: clock[0])
+    router = GatedRouter()
+    pipeline = RemotePipeline(router, codec="none", microbatches=1)
+    timed = []
+    pipeline.tuner.record = lambda size, count, seconds: timed.append(seconds)
+    x = torch.randn(6, 5, requires_grad=True)
+    try:
+        pipeline.trail_backward = True
+        pipeline(x * 1.0).sum().backward()  # forward at 0, its backward held
+        pipeline.trail_backward = False
+        clock[0] = 10.0
+        outputs = []
+        forward = threading.Thread(target=lambda: outputs.append(pipeline(x * 1.0)))  # starts at 10
+        forward.start()
+        forward.join(0.5)
+        clock[0] = 15.0
+        router.gate.set()  # the held backward ends at 15
+        forward.join(30)
+        pipeline.finish_backward()
+        clock[0] = 20.0
+        outputs[0].sum().backward()  # ends at 20
+        assert timed == [15.0, 5.0]
+
+        clock[0] = 30.0
+        first = pipeline(x * 1.0)
+        clock[0] = 32.0
+        second = pipeline(first * 1.0)
+        clock[0] = 40.0
+        second.sum().backward()  # both segments' backwards end at 40
+        assert timed[2:] == [8.0, 10.0]
+    finally:
+        router.gate.set()
+        pipeline.close()
