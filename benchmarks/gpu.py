@@ -5,7 +5,8 @@ examples/gpt.py's model with 8 blocks, d_model 2048 and 1024 (or `--d-model`, 64
 tokens. Plain: `gpt.py --single` on the GPU, warm-up batches then timed ones. Swarm: one serve-only peer per stage
 and one drive-only trainer, all on the same GPU, so plain training is the ceiling (the same GPU does the same
 compute); 8-bit wire, synchronous or delayed stage updates, one swarm per target batch size (`--targets`: `batch`,
-a step every batch, and 128, a step every 16 batches). Each swarm's trainer runs phases one after the other, side by
+a step every batch, and 128, a step every 16 batches) and `overlap_batches` setting (`--overlap`: on, the default,
+and off: "backward not trailing"). Each swarm's trainer runs phases one after the other, side by
 side in one run: each of `--microbatches` (4, 8 and "auto"), its warm-up batches (a fixed count gets `--warmup`,
 the first phase one more for the connections; "auto" trains until its tuning settled, within `--max-warmup`), then
 its timed batches (`--batches`, at least one optimizer step's worth). Samples/s over a phase's timed batches, from
@@ -84,6 +85,8 @@ OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|out of memory", re.IGNORECASE)
 MIB = 2**20
 # the configuration that makes one run; a run replaces the earlier entry with the same values
 KEY = ("device", "d_model", "n_layer", "batch", "block", "precision", "kind", "updates", "target", "microbatches")
+NOT_TRAILING = "backward not trailing"  # a swarm run with overlap_batches off
+KEY += ("overlap",)  # a swarm's overlap_batches (runs before it was a setting here: on, its default)
 Microbatches = Union[int, str]
 SKIPPED = "skipped (budget)"  # the status of a run the budget left no time for
 
@@ -437,6 +440,7 @@ def run(
             results = [{**measure_plain(run_args, work, warmup, timeout), "microbatches": None}]
         else:
             env = {"SWARM_DELAYED_UPDATES": str(settings["updates"] == "delayed")}
+            env["SWARM_OVERLAP_BATCHES"] = str(settings["overlap"])
             env["SWARM_TARGET_BATCH_SIZE"] = str(settings["target"])
             run_id = f"gpu{settings['d_model']}_{memory_dir.name}"
             phase_results = measure_swarm(run_args, work, run_id, env, phases, settings["batch"], timeout, deadline)
@@ -454,9 +458,11 @@ def run(
 
 def describe(run: dict) -> str:
     """One line on a run, as it ends."""
-    swarm = f", {run['updates']} updates, target {run['target']}, {run['microbatches']} microbatches"
     text = f"{run['device']} | d_model {run['d_model']} | {run['precision']} | {run['kind']}"
-    text += (swarm if run["kind"] == "swarm" else "") + f" | {run['status']}: "
+    if run["kind"] == "swarm":
+        trailing = "" if run.get("overlap", True) else f", {NOT_TRAILING}"
+        text += f", {run['updates']} updates{trailing}, target {run['target']}, {run['microbatches']} microbatches"
+    text += f" | {run['status']}: "
     if run["status"] == "ok":
         text += f"{run['samples_per_s']:.2f} samples/s"
     else:
@@ -487,12 +493,22 @@ def with_loss_gaps(runs: list[dict]) -> list[dict]:
     return runs
 
 
+def configuration(run: dict) -> tuple:
+    """The ``KEY`` fields of a run: a run replaces an earlier one of the same configuration."""
+    return tuple(run.get(k, run["kind"] == "swarm" if k == "overlap" else None) for k in KEY)
+
+
+def updates_label(run: dict) -> str:
+    """A swarm's updates, and whether a batch's backward may trail the next batch's forward when it is not on."""
+    return run["updates"] + ("" if run.get("overlap", True) else f", {NOT_TRAILING}")
+
+
 def merge(runs: list[dict], new: list[dict]) -> list[dict]:
     """``runs`` with ``new`` added, each replacing an earlier run of the same configuration; a run the budget
     skipped replaces nothing (it is added only where the configuration has no figures yet)."""
-    merged = {tuple(r.get(k) for k in KEY): r for r in runs}
+    merged = {configuration(r): r for r in runs}
     for r in new:
-        key = tuple(r.get(k) for k in KEY)
+        key = configuration(r)
         if key not in merged or r["status"] != SKIPPED:
             merged[key] = r
     return list(merged.values())
@@ -557,7 +573,12 @@ def write(runs: list[dict], path: Path) -> None:
         reference = group["plain"]
         swarms = sorted(
             group["swarm"],
-            key=lambda r: (r["updates"] != "synchronous", r["target"], str(r["microbatches"]).zfill(4)),
+            key=lambda r: (
+                r["updates"] != "synchronous",
+                r["target"],
+                not r.get("overlap", True),
+                str(r["microbatches"]).zfill(4),
+            ),
         )
         shape = f"{n_layer} blocks, {batch}x{block}"
         for swarm in swarms or [None]:
@@ -565,7 +586,7 @@ def write(runs: list[dict], path: Path) -> None:
             if swarm is None:
                 label += ["-", "-", "-"]
             else:
-                label += [swarm["updates"], str(swarm["target"]), microbatch_label(swarm)]
+                label += [updates_label(swarm), str(swarm["target"]), microbatch_label(swarm)]
             base = reference  # the plain run measured in the swarm's own command, if any: a ratio side by side
             if swarm and swarm.get("plain_samples_per_s") is not None:
                 base = {"status": "ok", "samples_per_s": swarm["plain_samples_per_s"]}
@@ -576,7 +597,7 @@ def write(runs: list[dict], path: Path) -> None:
             speed_rows.append([*label, speed_cell(base), speed_cell(swarm), ratio, calls, gap])
         for swarm in [s for s in swarms if s["microbatches"] == swarms[0]["microbatches"]] or [None]:
             label = [device, str(d_model), shape, precision]
-            label += [f"{swarm['updates']}, target {swarm['target']}" if swarm else "-"]
+            label += [f"{updates_label(swarm)}, target {swarm['target']}" if swarm else "-"]
             memory = swarm["memory"] if swarm else {}
             stage_peak = [memory.get(f"stage {k}", {}).get("reserved") for k in range(STAGES)]
             plain_peak = reference["memory"].get("plain", {}).get("reserved") if reference else None
@@ -733,7 +754,9 @@ def plan(a: argparse.Namespace, device: str) -> list[tuple[dict, list[dict]]]:
                 if t == 0 and not a.no_plain:
                     runs.append(({**settings, "kind": "plain", "updates": None, "target": None}, []))
                 for mode in ["synchronous"] if a.smoke else a.updates:
-                    runs.append(({**settings, "kind": "swarm", "updates": mode, "target": target}, phases))
+                    for overlap in ["on"] if a.smoke else a.overlap:
+                        swarm = dict(kind="swarm", updates=mode, target=target, overlap=overlap == "on")
+                        runs.append(({**settings, **swarm}, phases))
     return runs
 
 
@@ -743,6 +766,9 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, nargs="+", help="default: 2048 1024 (cpu, smoke: 64)")
     parser.add_argument("--precision", nargs="+", default=["32-true", "bf16-mixed"])
     parser.add_argument("--updates", nargs="+", choices=["synchronous", "delayed"], default=["synchronous"])
+    parser.add_argument(
+        "--overlap", nargs="+", choices=["on", "off"], default=["on"], help="the swarm's overlap_batches (on: default)"
+    )
     parser.add_argument(
         "--targets", nargs="+", help='target batch sizes, "batch": one (default: batch 128; cpu: batch)'
     )

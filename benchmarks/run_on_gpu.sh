@@ -3,6 +3,7 @@
 #
 #     bash benchmarks/run_on_gpu.sh OUT_DIR                    # the swarms at target batch = batch
 #     GPU_TARGETS=128 bash benchmarks/run_on_gpu.sh OUT_DIR    # a second command: at target batch 128
+#     GPU_TARGETS=128 GPU_OVERLAP="on off" bash ...             # each swarm with overlap_batches on, then off
 #
 # run in the checkout's root, with the wheels the machine lacks in .whl/ (../shared/gpu/README.md: here, once,
 # `bash ../shared/gpu/fetch_wheels.sh`, then `bash benchmarks/run_on_gpu.sh --fetch-test-wheels` for pytest and
@@ -147,7 +148,8 @@ for name in "${LATER[@]}"; do reserve=$((reserve + LIMIT[$name])); done
 gpu_limit=$((TOTAL - (SECONDS - start) - reserve - GRACE))
 # its last run stops its peers and saves its figures after its budget: 20 s for that inside the step's limit
 step gpu "$gpu_limit" python3 benchmarks/gpu.py --out "$out/RESULTS.md" --d-model 2048 1024 \
-  --precision 32-true bf16-mixed --updates synchronous --targets ${GPU_TARGETS:-batch} --microbatches 4 auto \
+  --precision 32-true bf16-mixed --updates synchronous --targets ${GPU_TARGETS:-batch} --overlap ${GPU_OVERLAP:-on} \
+  --microbatches 4 auto \
   --budget $((gpu_limit - 20)) --timeout 120 --trace
 
 step stage_memory "${LIMIT[stage_memory]}" bash -c 'rc=0; for precision in 32-true bf16-mixed; do

@@ -184,6 +184,13 @@ def test_a_run_the_budget_skipped_replaces_no_figures():
     merged = gpu.merge([measured], [{**skipped, "microbatches": 4}, {**skipped, "microbatches": 8}])
     assert merged == [measured, {**skipped, "microbatches": 8}]
     assert gpu.merge(merged, [{**measured, "microbatches": 8}]) == [measured, {**measured, "microbatches": 8}]
+    # a run with the backward not trailing is a configuration of its own; one from before --overlap had it on
+    apart = {**measured, "overlap": False, "samples_per_s": 50.0}
+    assert gpu.merge([measured], [apart]) == [measured, apart]
+    assert gpu.merge([measured, apart], [{**measured, "overlap": True, "samples_per_s": 70.0}]) == [
+        {**measured, "overlap": True, "samples_per_s": 70.0},
+        apart,
+    ]
     # nor does it get a loss curve: a plain run of another configuration has no swarm either
     plain = {**config, "precision": "bf16-mixed", "kind": "plain", "updates": None, "target": None, "losses": [1.0]}
     plain.update(microbatches=None, status="ok")
@@ -207,12 +214,15 @@ def test_gpu_plan_puts_every_configuration_at_the_first_target_first():
     """The GPU runs in order of priority, each target's timed batches at least one optimizer step's worth."""
     parser_defaults = dict(smoke=False, device="cuda", targets=None, d_model=None, no_plain=False, warmup=None)
     a = argparse.Namespace(**parser_defaults, batches=None, max_warmup=24, precision=["32-true", "bf16-mixed"])
-    a.updates, a.mb = ["synchronous"], [4, 8, "auto"]
+    a.updates, a.mb, a.overlap = ["synchronous"], [4, 8, "auto"], ["on", "off"]
     runs = gpu.plan(a, "H100")
-    order = [(s["kind"], s["target"], s["d_model"], s["precision"]) for s, _ in runs]
+    order = [(s["kind"], s["target"], s["d_model"], s["precision"], s.get("overlap")) for s, _ in runs]
     configurations = [(d, p) for d in (2048, 1024) for p in ("32-true", "bf16-mixed")]
-    assert order == [x for d, p in configurations for x in (("plain", None, d, p), ("swarm", 8, d, p))] + [
-        ("swarm", 128, d, p) for d, p in configurations
+    first = [
+        (("plain", None, d, p, None), ("swarm", 8, d, p, True), ("swarm", 8, d, p, False)) for d, p in configurations
+    ]
+    assert order == [x for runs_of_one in first for x in runs_of_one] + [
+        ("swarm", 128, d, p, overlap) for d, p in configurations for overlap in (True, False)
     ]
     for settings, phases in runs:
         timed = 16 if settings["target"] == 128 else 5
