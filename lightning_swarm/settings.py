@@ -116,7 +116,9 @@ class SwarmSettings:
     scaling. The next batch's microbatches start as the backward's end where this peer sends both directions to
     one stage's queue (star wiring, one stage), so that it keeps its fair share of that queue. Default True: on the
     GPU proxy at target 128 it raised the share of the device's time spent computing from 0.85-0.86 to 0.89-0.92 at
-    d_model 2048 and from 0.56-0.63 to 0.70-0.77 at 1024 (``benchmarks/RESULTS.md``)."""
+    d_model 2048 and from 0.56-0.63 to 0.70-0.77 at 1024 (``benchmarks/RESULTS.md``). Not yet measured on a GPU
+    with a fitting microbatch count: on an H200 "auto" microbatches climbed to 8 before a fix (0.19 of plain
+    training in ``bf16-mixed`` at d_model 2048, 0.34 with this off)."""
     checkpoint_activations: bool = field(default=False, metadata={CAST: flag})
     """a stage server keeps only each block's input from a training forward and recomputes the block in backward
     (activation checkpointing): memory stays flat with many microbatches in flight, for about one more forward
