@@ -255,9 +255,11 @@ def test_peers_of_a_stage_all_reduce_and_stay_together(swarm, tmp_path, delayed)
     """Two trainers, two peers of stage 1: the routers use both peers, the peers all-reduce when both hold samples
     (and download the state when one was left idle), and their parameters stay together: they differ by far less
     than training moved them. (Equality is not guaranteed: a round that fails to assemble in time lets each peer
-    step alone, which the next rounds heal by averaging.) With delayed updates, the all-reduce and step run in the
-    background: a peer's new epoch shows while its round still assembles, and a peer that joins it too late steps
-    alone once, so the bound is looser; once the swarm is idle, the peers hold the same epoch all the same."""
+    step alone, which the next rounds heal by averaging; the last round has no next one, so each failed round
+    allows about one step's movement more: a CI run saw the last of 4 rounds fail, 0.34 of the movement apart.)
+    With delayed updates, the all-reduce and step run in the background: a peer's new epoch shows while its round
+    still assembles, and a peer that joins it too late steps alone once, so the bound is looser; once the swarm is
+    idle, the peers hold the same epoch all the same."""
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_COMPRESSION": "none", "SWARM_TARGET_BATCH_SIZE": "64"}
     env["SWARM_DELAYED_UPDATES"] = str(delayed)
     env.update(SWARM_MATCHMAKING_TIME="2.0", SWARM_AVERAGING_TIMEOUT="8.0")  # rounds that assemble on 2 busy cores
@@ -288,6 +290,8 @@ def test_peers_of_a_stage_all_reduce_and_stay_together(swarm, tmp_path, delayed)
         assert all(info["backward_samples"] > 0 for info in infos), "a peer of stage 1 never got work"
         assert infos[0]["epoch"] == infos[1]["epoch"] > 0
         assert any(info["allreduce_sizes"].get("2", 0) > 0 for info in infos), "the peers never all-reduced"
-        assert apart < (0.5 if delayed else 0.25) * moved
+        # a round that failed let each peer step alone on its own gradients: up to about one step's movement apart
+        alone = max(info["failed_rounds"] for info in infos) / max(info["steps"] for info in infos)
+        assert apart < ((0.5 if delayed else 0.25) + alone) * moved
     finally:
         node.shutdown()
