@@ -6,9 +6,9 @@ tokens. Plain: `gpt.py --single` on the GPU, warm-up batches then timed ones. Sw
 and one drive-only trainer, all on the same GPU, so plain training is the ceiling (the same GPU does the same
 compute); 8-bit wire, synchronous or delayed stage updates, one swarm per target batch size (`--targets`: `batch`,
 a step every batch, and 128, a step every 16 batches) and `overlap_batches` setting (`--overlap`: on, the default,
-and off: "backward not trailing"). Each swarm's trainer runs phases one after the other, side by
-side in one run: each of `--microbatches` (4, 8 and "auto"), its warm-up batches (a fixed count gets `--warmup`,
-the first phase one more for the connections; "auto" trains until its tuning settled, within `--max-warmup`), then
+and off: "backward not trailing"). Each swarm's trainer runs phases one after the other, side by side in one run:
+each of `--microbatches` (4, 8 and "auto"), its warm-up batches (a fixed count gets `--warmup`, the first phase one
+more for the connections; "auto" trains until its tuning settled, within `--max-warmup`), then
 its timed batches (`--batches`, at least one optimizer step's worth). Samples/s over a phase's timed batches, from
 the trainer's own batch end times; a phase whose tuning did not settle within `--max-warmup` says so. Loss: the
 largest difference per batch between the swarm's loss and plain training's, over the batches both trained (a swarm
@@ -83,10 +83,11 @@ from lightning_swarm.launch import LocalSwarm  # noqa: E402
 
 OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|out of memory", re.IGNORECASE)
 MIB = 2**20
-# the configuration that makes one run; a run replaces the earlier entry with the same values
+# the configuration that makes one run; a run replaces the earlier entry with the same values ("overlap": a swarm's
+# overlap_batches, on in the runs from before it was a setting here, as it is by default)
 KEY = ("device", "d_model", "n_layer", "batch", "block", "precision", "kind", "updates", "target", "microbatches")
-NOT_TRAILING = "backward not trailing"  # a swarm run with overlap_batches off
-KEY += ("overlap",)  # a swarm's overlap_batches (runs before it was a setting here: on, its default)
+KEY += ("overlap",)
+NOT_TRAILING = "backward not trailing"  # how a swarm run with overlap_batches off is labelled
 Microbatches = Union[int, str]
 SKIPPED = "skipped (budget)"  # the status of a run the budget left no time for
 
