@@ -4,6 +4,7 @@ decoded."""
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -214,8 +215,13 @@ def test_microbatch_tuning_times_an_overlapped_batch_from_the_end_of_the_backwar
     of two pipeline calls, are timed from their forward's start. The clock is set by hand."""
     from lightning_swarm.client import remote_pipeline
 
-    clock = [0.0]
-    monkeypatch.setattr(remote_pipeline.time, "perf_counter", lambda: clock[0])
+    clock, readers = [0.0], set()
+
+    def now() -> float:
+        readers.add(threading.get_ident())
+        return clock[0]
+
+    monkeypatch.setattr(remote_pipeline.time, "perf_counter", now)
     router = GatedRouter()
     pipeline = RemotePipeline(router, codec="none", microbatches=1)
     timed = []
@@ -229,7 +235,10 @@ def test_microbatch_tuning_times_an_overlapped_batch_from_the_end_of_the_backwar
         outputs = []
         forward = threading.Thread(target=lambda: outputs.append(pipeline(x * 1.0)))  # starts at 10
         forward.start()
-        forward.join(0.5)
+        deadline = time.monotonic() + 30
+        while forward.ident not in readers:  # it read its start (10) before the clock moves on
+            assert time.monotonic() < deadline, "the next batch's forward never started"
+            time.sleep(0.01)
         clock[0] = 15.0
         router.gate.set()  # the held backward ends at 15
         forward.join(30)
