@@ -28,6 +28,7 @@ script starts every peer. Peers whose batch sizes differ would disagree on the t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import multiprocessing
@@ -261,7 +262,8 @@ class CountingProgressTracker(ProgressTracker):
 
     Within an epoch, this peer's reports of more samples are stored at most every ``min_refresh_period`` seconds
     (:class:`CoalescedSignal`), the shortest period at which partners fetch the progress: hivemind stores one per
-    call, one per microbatch. Its first samples of an epoch, a new epoch and a reset go at once.
+    call, one per microbatch. So is its entry into a new epoch: its first samples there, which go at once, usually
+    follow within a microbatch and store both. A reset goes at once.
     """
 
     def __init__(
@@ -305,7 +307,8 @@ class CountingProgressTracker(ProgressTracker):
             self._sampled_at = {e for e in self._sampled_at if e >= epoch - 2} | {epoch}
         previous = self.local_progress
         more = local_epoch == previous.epoch and samples_accumulated > previous.samples_accumulated > 0
-        self.should_report_progress.coalescing = more
+        entered = local_epoch > previous.epoch and samples_accumulated == 0
+        self.should_report_progress.coalescing = more or entered
         try:
             super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
         finally:
@@ -429,6 +432,36 @@ class _NotesDownloads(DecentralizedAverager):
         return loaded
 
 
+DECLARE_PERIOD = 1.0  # seconds: an averager declares itself a state donor at most this often (hivemind: every epoch)
+
+
+class _DeclaresCoalesced(DecentralizedAverager):
+    """An averager that re-declares itself as a donor of its state at most every :data:`DECLARE_PERIOD` seconds.
+
+    hivemind's optimizer sets the averager's donor priority to its epoch at every step, and each change stores the
+    declaration in the DHT at once: with a step every batch, each peer's averager stored one per batch, and every
+    other peer's DHT served it. The latest priority is read when the declaration is stored, so a held one goes out
+    with the newest epoch, a period late at most; a downloader may then pick a donor an epoch behind another, whose
+    state is consistent with the epoch it is labelled with (:class:`ConsistentStateAverager`).
+    """
+
+    _declared_at = -math.inf
+    _declare_held = False
+
+    async def _trigger_declare_load_state(self) -> None:
+        now = time.monotonic()
+        if now >= self._declared_at + DECLARE_PERIOD:
+            self._declared_at = now
+            await super()._trigger_declare_load_state()
+        elif not self._declare_held:
+            self._declare_held = True
+            asyncio.get_running_loop().call_later(self._declared_at + DECLARE_PERIOD - now, self._release_declare)
+
+    def _release_declare(self) -> None:
+        self._declare_held = False
+        asyncio.ensure_future(self._trigger_declare_load_state())
+
+
 def cancel_round(control: StepControl) -> None:
     """Cancel an averaging round, unless it was cancelled before: hivemind's ``StepControl.cancel`` sends the cancel
     through a future of the averager's that can be set once, and a second call raises ``InvalidStateError`` (a peer
@@ -520,9 +553,15 @@ class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaki
     hivemind pre-schedules a gradient round when it estimates that the epoch ends within the matchmaking time; an
     estimate early by more than a request's timeout made a round bounded from its scheduled start fail before the
     epoch ended, and its partners, arriving on time, then found nobody: both stepped alone.
+
+    It declares no state to download: a newcomer downloads the state averager's, and hivemind resets the gradients
+    it accumulates after a download. hivemind's declared one at every step, a DHT store each.
     """
 
     owner_bounds_triggered_rounds = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"allow_state_sharing": False, **kwargs})
 
     @property
     def window(self) -> float:
@@ -550,7 +589,12 @@ class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaki
 
 
 class ConsistentStateAverager(
-    _StartsByFork, TrainingStateAverager, _NotesDownloads, _BoundedMatchmaking, _FlagsPartialRounds
+    _StartsByFork,
+    TrainingStateAverager,
+    _NotesDownloads,
+    _BoundedMatchmaking,
+    _FlagsPartialRounds,
+    _DeclaresCoalesced,
 ):
     """hivemind's state averager, made to hand out a state that matches the epoch it is labelled with.
 
@@ -560,7 +604,8 @@ class ConsistentStateAverager(
     of both, labelled with the new epoch, and stay one step apart from the others for good. Here a download waits
     for the pending step briefly (within the downloader's patience) and is refused if it is still running, so the
     downloader asks again later; the state is read under the optimizer's lock. Its rounds are bounded as
-    :class:`_BoundedMatchmaking` says; it starts by fork (:class:`_StartsByFork`).
+    :class:`_BoundedMatchmaking` says; it starts by fork (:class:`_StartsByFork`); it declares itself a donor
+    coalesced (:class:`_DeclaresCoalesced`).
     """
 
     def __init__(self, *args: Any, request_timeout: float = 3.0, **kwargs: Any) -> None:

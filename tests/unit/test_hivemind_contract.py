@@ -250,6 +250,23 @@ def test_the_averagers_are_processes_that_can_start_by_fork():
         assert cls._Popen is multiprocessing.context.ForkProcess._Popen, f"{cls.__name__} would not start by fork"
 
 
+def test_a_donor_declaration_is_triggered_and_stored_where_the_coalescing_expects():
+    """_DeclaresCoalesced holds back the trigger that a change of the donor priority sends to the averager's process,
+    and relies on the declaration reading the priority when it is stored; BoundedGradientAverager turns sharing off
+    through the averager's constructor."""
+    trigger = DecentralizedAverager._trigger_declare_load_state
+    assert inspect.iscoroutinefunction(trigger) and parameters(trigger) == ["self"], (
+        f"hivemind {hivemind.__version__}: the averager's declaration trigger changed (_DeclaresCoalesced); {PIN}"
+    )
+    assert "_trigger_declare_load_state" in source(DecentralizedAverager.state_sharing_priority.fset)
+    declare = source(DecentralizedAverager._declare_for_download_periodically)
+    assert "value=self.state_sharing_priority" in declare and "self._state_updated.wait()" in declare, (
+        f"hivemind {hivemind.__version__}: a declaration no longer stores the priority as it is then; {PIN}"
+    )
+    assert "allow_state_sharing" in inspect.signature(DecentralizedAverager.__init__).parameters
+    assert "_trigger_declare_load_state" in vars(optimizer._DeclaresCoalesced)
+
+
 def test_the_progress_tracker_takes_start_and_its_rate_estimate_can_be_replaced():
     """CountingProgressTracker builds hivemind's tracker with start=False, then replaces performance_ema (a rate
     that never leaves zero) before starting it; hivemind's parse reads that rate."""

@@ -3,6 +3,7 @@ in this process."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import multiprocessing
 import os
@@ -25,6 +26,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
+from lightning_swarm import optimizer as optimizer_module
 from lightning_swarm.node import SwarmNode
 from lightning_swarm.optimizer import (
     BoundedGradientAverager,
@@ -34,6 +36,7 @@ from lightning_swarm.optimizer import (
     StepPace,
     SwarmOptimizer,
     TrainerCount,
+    _DeclaresCoalesced,
     cancel_round,
     swarm_optimizer,
 )
@@ -304,8 +307,9 @@ def test_a_peer_without_samples_is_awaited_only_if_its_record_was_published():
 
 def test_more_samples_within_an_epoch_are_reported_coalesced():
     """hivemind stores a peer's progress in the DHT at every report, one per microbatch: within an epoch, reports of
-    more samples are held back to one per period, the latest progress stored when it ends; the first samples of an
-    epoch, a new epoch and a reset are stored at once, and so is shutdown's withdrawal."""
+    more samples are held back to one per period, the latest progress stored when it ends, and so is the entry into a
+    new epoch (its first samples follow within a microbatch); the first samples of an epoch and a reset are stored at
+    once, and so is shutdown's withdrawal."""
     node = SwarmNode().start()
     tracker = CountingProgressTracker(dht=node.dht, prefix="coalesced", target_batch_size=64, start=False)
     report_signal = tracker.should_report_progress  # each set: one store by hivemind's reporter (not started here)
@@ -321,8 +325,9 @@ def test_more_samples_within_an_epoch_are_reported_coalesced():
         assert reported(0, 4)  # the epoch's first samples
         assert not reported(0, 8) and not reported(0, 12)  # more: held back
         assert tracker.local_progress.samples_accumulated == 12  # what the held store will carry
-        assert reported(1, 0)  # a new epoch: at once, the held store with it
-        assert reported(1, 4) and not reported(1, 8)
+        assert not reported(1, 0)  # a new epoch: held too
+        assert tracker.local_progress.epoch == 1
+        assert reported(1, 4) and not reported(1, 8)  # its first samples: at once, the new epoch with them
         assert reported(1, 2)  # fewer samples (a reset): at once
         assert not reported(1, 6)
         report_signal.clear()
@@ -333,6 +338,56 @@ def test_more_samples_within_an_epoch_are_reported_coalesced():
         assert reported(2, 4) and not reported(2, 8)
         assert report_signal.wait(timeout=30) and tracker.local_progress.samples_accumulated == 8
     finally:
+        node.shutdown()
+
+
+def test_an_averager_declares_itself_a_donor_at_most_once_a_period(monkeypatch):
+    """hivemind's optimizer changes a donor's priority (its epoch) at every step, and each change stored a declaration
+    in the DHT: within a period the triggers become one at once and one when the period ends."""
+    monkeypatch.setattr(optimizer_module, "DECLARE_PERIOD", 0.3)
+
+    class CountedEvent(asyncio.Event):
+        sets = 0
+
+        def set(self) -> None:
+            self.sets += 1
+            super().set()
+
+    averager = object.__new__(_DeclaresCoalesced)  # the trigger's own state only: no process, no DHT
+
+    async def trigger_ten_times() -> tuple[int, int]:
+        averager._state_updated = CountedEvent()
+        for _ in range(10):
+            await averager._trigger_declare_load_state()
+        at_once = averager._state_updated.sets
+        await asyncio.sleep(3 * 0.3)
+        return at_once, averager._state_updated.sets
+
+    assert asyncio.run(trigger_ten_times()) == (1, 2)
+
+
+def test_the_latest_epoch_is_declared_and_gradients_are_not_offered_for_download():
+    """Stepping an epoch a call, the state averager's declaration catches up with the last epoch (a held one carries
+    the priority as it is when stored); the gradient averager declares nothing, as nobody downloads from it."""
+    node = SwarmNode().start()
+    model, stepping = _optimizer(node, seed=0, prefix="declared", target=1)
+    try:
+        for _ in range(12):
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            stepping.step(batch_size=1)
+        assert stepping.local_epoch == 12
+        deadline = time.monotonic() + 15  # within hivemind's own re-declaration, every 30 s
+        while True:
+            found = node.dht.get("declared_state_averager.all_averagers", latest=True)
+            priorities = [v.value for v in found.value.values()] if found is not None else []
+            if priorities == [12.0]:
+                break
+            assert time.monotonic() < deadline, f"the last epoch was never declared: {priorities}"
+            time.sleep(0.1)
+        assert node.dht.get("declared_grad_averager.all_averagers", latest=True) is None
+    finally:
+        stepping.shutdown()
         node.shutdown()
 
 
