@@ -447,6 +447,7 @@ class _DeclaresCoalesced(DecentralizedAverager):
 
     _declared_at = -math.inf
     _declare_held = False
+    _release_task: Optional[asyncio.Task] = None  # referenced until done: the loop keeps only a weak reference
 
     async def _trigger_declare_load_state(self) -> None:
         now = time.monotonic()
@@ -459,7 +460,7 @@ class _DeclaresCoalesced(DecentralizedAverager):
 
     def _release_declare(self) -> None:
         self._declare_held = False
-        asyncio.ensure_future(self._trigger_declare_load_state())
+        self._release_task = asyncio.ensure_future(self._trigger_declare_load_state())
 
 
 def cancel_round(control: StepControl) -> None:
