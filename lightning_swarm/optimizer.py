@@ -446,21 +446,18 @@ class _DeclaresCoalesced(DecentralizedAverager):
     """
 
     _declared_at = -math.inf
-    _declare_held = False
-    _release_task: Optional[asyncio.Task] = None  # referenced until done: the loop keeps only a weak reference
+    _declare_held = False  # a trigger waits for the period's end; later ones within it are that one
 
-    async def _trigger_declare_load_state(self) -> None:
-        now = time.monotonic()
-        if now >= self._declared_at + DECLARE_PERIOD:
-            self._declared_at = now
-            await super()._trigger_declare_load_state()
-        elif not self._declare_held:
+    async def _trigger_declare_load_state(self) -> None:  # hivemind runs each trigger as a task of its own
+        if self._declare_held:
+            return
+        wait = self._declared_at + DECLARE_PERIOD - time.monotonic()
+        if wait > 0:
             self._declare_held = True
-            asyncio.get_running_loop().call_later(self._declared_at + DECLARE_PERIOD - now, self._release_declare)
-
-    def _release_declare(self) -> None:
-        self._declare_held = False
-        self._release_task = asyncio.ensure_future(self._trigger_declare_load_state())
+            await asyncio.sleep(wait)
+            self._declare_held = False
+        self._declared_at = time.monotonic()
+        await super()._trigger_declare_load_state()
 
 
 def cancel_round(control: StepControl) -> None:

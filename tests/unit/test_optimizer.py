@@ -357,10 +357,10 @@ def test_an_averager_declares_itself_a_donor_at_most_once_a_period(monkeypatch):
 
     async def trigger_ten_times() -> tuple[int, int]:
         averager._state_updated = CountedEvent()
-        for _ in range(10):
-            await averager._trigger_declare_load_state()
+        triggers = [asyncio.create_task(averager._trigger_declare_load_state()) for _ in range(10)]  # as hivemind
+        await asyncio.sleep(0)  # each trigger ran up to its wait, or to its end
         at_once = averager._state_updated.sets
-        await asyncio.sleep(3 * 0.3)
+        await asyncio.wait(triggers, timeout=30)
         return at_once, averager._state_updated.sets
 
     assert asyncio.run(trigger_ten_times()) == (1, 2)
