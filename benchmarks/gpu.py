@@ -560,6 +560,17 @@ def microbatch_label(run: dict) -> str:
     return f"auto ({run['settled']} after {run['warmup']} batches)"
 
 
+def latest_measured_swarms(swarms: list[dict]) -> list[dict]:
+    """One run per swarm configuration (updates, target, overlap), the latest with memory figures: its phases share
+    one set of processes, so any of them gives the swarm's peaks."""
+    latest: dict[tuple, dict] = {}
+    for r in swarms:
+        key = (r["updates"], r["target"], r.get("overlap", True))
+        if r.get("memory") and (key not in latest or r["date"] > latest[key]["date"]):
+            latest[key] = r
+    return [r for r in swarms if r in latest.values()]
+
+
 def write(runs: list[dict], path: Path) -> None:
     """The ``gpu`` section of the results file, from every run measured so far."""
     groups: dict[tuple, dict] = {}
@@ -596,7 +607,7 @@ def write(runs: list[dict], path: Path) -> None:
             calls = " / ".join(f"{s:.3f}" for s in swarm["call_seconds"]) if swarm and "call_seconds" in swarm else "-"
             gap = f"{swarm['loss_gap']:.4f}" if swarm and swarm.get("loss_gap") is not None else "-"
             speed_rows.append([*label, speed_cell(base), speed_cell(swarm), ratio, calls, gap])
-        for swarm in [s for s in swarms if s["microbatches"] == swarms[0]["microbatches"]] or [None]:
+        for swarm in latest_measured_swarms(swarms) or [None]:
             label = [device, str(d_model), shape, precision]
             label += [f"{updates_label(swarm)}, target {swarm['target']}" if swarm else "-"]
             memory = swarm["memory"] if swarm else {}

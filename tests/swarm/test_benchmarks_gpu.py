@@ -197,6 +197,18 @@ def test_a_run_the_budget_skipped_replaces_no_figures():
     assert all("loss_gap" not in r for r in gpu.with_loss_gaps([plain, {**skipped, "precision": "bf16-mixed"}]))
 
 
+def test_each_swarm_reports_the_memory_of_its_latest_measured_run():
+    """One memory row per swarm (updates, target, overlap): the latest of its runs with figures, whatever its
+    microbatches (the budget skipped the 4-microbatch phases of a later command, 2026-11-28)."""
+    config = dict(updates="synchronous", target=128, status="ok")
+    old = {**config, "microbatches": 4, "date": "2026-11-26 09:24", "memory": {"stage 0": {"reserved": 1}}}
+    skipped = {**config, "microbatches": 4, "date": None, "status": gpu.SKIPPED, "memory": {}}
+    new = {**config, "microbatches": "auto", "date": "2026-11-28 04:08", "memory": {"stage 0": {"reserved": 2}}}
+    apart = {**new, "overlap": False}
+    assert gpu.latest_measured_swarms([old, skipped, new, apart]) == [new, apart]
+    assert gpu.latest_measured_swarms([skipped]) == []
+
+
 def test_the_peak_memory_of_an_exited_peer_is_none():
     """A peer that exited (a zombie not yet reaped, then reaped) has no peak memory to read: None, no error."""
     assert gpu.peak_rss(os.getpid()) > 0
