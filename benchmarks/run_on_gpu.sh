@@ -23,7 +23,9 @@
 #               tuned; 8 was the slowest setting in every configuration on the H200, 2026-11-27); the time left after
 #               reserving the later steps' limits (--budget), runs in order of priority; --trace: each phase's
 #               requests split into parts (transfer, decode, queue, serve, reply) in gpu.log and the JSON
-#   stage_memory  one stage's device memory, d_model 2048, 32-true then bf16-mixed, 8 batches, a step every 4
+#   stage_memory  one stage's device memory, d_model 2048, 8 batches, a step every 4: 32-true, 32-true again with
+#               PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (on an H200 half a stage's reserved memory was the
+#               caching allocator's, 2026-11-28: does this setting take it back?), then bf16-mixed
 #   out_of_core   a stage of 12 blocks of d_model 2048 resident and out of core at 2x and 4x its memory cap: samples/s,
 #               compute and step time apart
 #   gpu_tests   the tests that need a GPU (tests/unit/test_compression.py, tests/unit/test_memory.py)
@@ -32,7 +34,7 @@
 #               last, and only with PROXY_LIMIT seconds left (it took over 70 s on the H200's host)
 #
 # Results: OUT_DIR/RESULTS.md (the gpu, out_of_core and gpu_proxy sections), OUT_DIR/summary.txt and, packed in
-# OUT_DIR/all.tgz (the device sends back a few files only), the logs, stage_memory_<precision>.json and
+# OUT_DIR/all.tgz (the device sends back a few files only), the logs, stage_memory_<precision>[_expandable].json and
 # results/*.json: unpacked here (`tar xzf <files_at>/all.tgz -C DIR`), merge them with `python benchmarks/gpu.py
 # --merge DIR/results/gpu.json` and `python benchmarks/out_of_core.py --merge DIR/results/out_of_core.json`. Every
 # process a step starts carries a mark in its environment: those still alive after the step (peers in sessions of
@@ -55,7 +57,7 @@ TOTAL=540                 # seconds for the whole command
 GRACE=10                  # a step past its limit gets SIGTERM, then SIGKILL this much later
 # measured on an H200 (2026-11-27): install 2 s, imports 28, calibrate 23, one stage_memory run of 8 batches 22,
 # out_of_core 36, gpu_tests 36; the proxy ran past 70
-declare -A LIMIT=([install]=30 [imports]=40 [calibrate]=30 [stage_memory]=60 [out_of_core]=50 [gpu_tests]=45)
+declare -A LIMIT=([install]=30 [imports]=40 [calibrate]=30 [stage_memory]=90 [out_of_core]=50 [gpu_tests]=45)
 LATER=(stage_memory out_of_core gpu_tests)  # what the gpu step leaves time for
 PROXY_LIMIT=80
 start=$SECONDS
@@ -152,9 +154,10 @@ step gpu "$gpu_limit" python3 benchmarks/gpu.py --out "$out/RESULTS.md" --d-mode
   --microbatches 4 auto \
   --budget $((gpu_limit - 20)) --timeout 120 --trace
 
-step stage_memory "${LIMIT[stage_memory]}" bash -c 'rc=0; for precision in 32-true bf16-mixed; do
-  python3 benchmarks/stage_memory.py --d-model 2048 --precision $precision --batches 8 --step-every 4 \
-    --out "$0/stage_memory_$precision.json" || rc=$?; done; exit $rc' "$out"
+step stage_memory "${LIMIT[stage_memory]}" bash -c 'rc=0; for run in 32-true 32-true_expandable bf16-mixed; do
+  conf=${PYTORCH_CUDA_ALLOC_CONF-}; [[ $run == *_expandable ]] && conf=expandable_segments:True
+  PYTORCH_CUDA_ALLOC_CONF=$conf python3 benchmarks/stage_memory.py --d-model 2048 --precision ${run%_expandable} \
+    --batches 8 --step-every 4 --out "$0/stage_memory_$run.json" || rc=$?; done; exit $rc' "$out"
 
 step out_of_core "${LIMIT[out_of_core]}" python3 benchmarks/out_of_core.py --out "$out/RESULTS.md" \
   --d-model 2048 --blocks 12 --warmup 2 --batches 6 --step-every 2
