@@ -568,7 +568,8 @@ def latest_measured_swarms(swarms: list[dict]) -> list[dict]:
         key = (r["updates"], r["target"], r.get("overlap", True))
         if r.get("memory") and (key not in latest or r["date"] > latest[key]["date"]):
             latest[key] = r
-    return [r for r in swarms if r in latest.values()]
+    chosen = {id(r) for r in latest.values()}
+    return [r for r in swarms if id(r) in chosen]
 
 
 def write(runs: list[dict], path: Path) -> None:
