@@ -618,9 +618,9 @@ def install(device: EmulatedDevice) -> None:
 def _install_optimizer(device: EmulatedDevice) -> None:
     """The stage optimizer on the device: per backward, accumulation into the gradient accumulators; per step:
 
-    - synchronous updates, no round (one peer, or a failed round): the accumulators copied into ``.grad`` and scaled
-      there, on the device (``SwarmOptimizer._load_local_gradients_into_optimizer``: a copy and an in-place multiply
-      per parameter, each reading and writing 4 bytes per element), then the optimizer's step kernel;
+    - synchronous updates, no round (one peer, or a failed round): the accumulators scaled into new ``.grad``
+      tensors on the device (``SwarmOptimizer._load_local_gradients_into_optimizer``: one multi-tensor multiply,
+      reading and writing 4 bytes per element), then the optimizer's step kernel;
     - synchronous updates, a round: hivemind's path, the accumulators copied into shared host memory (pageable) and
       scaled on one thread, averaged, copied back, then the step kernel;
     - delayed updates (the optimizer offloaded to the host): the accumulators copied into shared host memory and
@@ -632,13 +632,13 @@ def _install_optimizer(device: EmulatedDevice) -> None:
     from hivemind.optim.optimizer import Optimizer
     from hivemind.optim.state_averager import TrainingStateAverager
 
-    from lightning_swarm.optimizer import SwarmOptimizer
+    from lightning_swarm.optimizer import BoundedGradientAverager, SwarmOptimizer
 
     cal = device.cal
     accumulate, load, reset = (
-        GradientAverager.accumulate_grads_,
+        BoundedGradientAverager.accumulate_grads_,
         GradientAverager.load_accumulators_into_averager_,
-        GradientAverager.reset_accumulated_grads_,
+        BoundedGradientAverager.reset_accumulated_grads_,
     )
     into_optimizer, state_init = Optimizer._load_averaged_gradients_into_optimizer_, TrainingStateAverager.__init__
     local_into_optimizer = SwarmOptimizer._load_local_gradients_into_optimizer
@@ -665,8 +665,7 @@ def _install_optimizer(device: EmulatedDevice) -> None:
     def load_local_into_optimizer(self) -> None:
         local_into_optimizer(self)
         if not self.offload_optimizer:  # delayed updates go through load_accumulators_into_averager_ (charged there)
-            tensors = len(self.grad_averager.parameters)
-            device.memory_kernel(16 * device.optimizer_numel, OPTIMIZER, launches=2 * tensors)
+            device.memory_kernel(8 * device.optimizer_numel, OPTIMIZER, launches=2)
 
     def init(self, *args: Any, **kwargs: Any) -> None:
         state_init(self, *args, **kwargs)
@@ -683,9 +682,9 @@ def _install_optimizer(device: EmulatedDevice) -> None:
         device.pageable_copy(4 * device.optimizer_numel, HOST_H2D)
         apply_parameters(self)
 
-    GradientAverager.accumulate_grads_ = accumulate_grads_
+    BoundedGradientAverager.accumulate_grads_ = accumulate_grads_
     GradientAverager.load_accumulators_into_averager_ = load_accumulators_into_averager_
-    GradientAverager.reset_accumulated_grads_ = reset_accumulated_grads_
+    BoundedGradientAverager.reset_accumulated_grads_ = reset_accumulated_grads_
     Optimizer._load_averaged_gradients_into_optimizer_ = load_into_optimizer
     SwarmOptimizer._load_local_gradients_into_optimizer = load_local_into_optimizer
     TrainingStateAverager.__init__ = init

@@ -17,6 +17,8 @@
 #               lightning_swarm; pytest and psutil for the tests. Without CUDA or lightning_swarm nothing else runs.
 #   calibrate   one stage's forward and backward per sample on this GPU (gpu.py --calibrate): the figures
 #               gpu_proxy.py's calibration takes from the H100
+#   optimizer_host  the stage optimizer's work per backward and per step, hivemind's per-tensor loops against the
+#               multi-tensor calls, d_model 1024 and 2048 (optimizer_host.py)
 #   gpu         gpu.py: d_model 2048 and 1024, 32-true and bf16-mixed, plain training and the swarm at the targets of
 #               GPU_TARGETS (default: batch, a step every batch; all four configurations take ~300 s on an H200, so
 #               target 128 needs a command of its own); 4 and "auto" microbatches in each swarm ("auto" timed once
@@ -36,7 +38,7 @@
 #               on this machine's CPU, to hold against the gpu step's d_model 1024 32-true swarm and the calibration;
 #               last, and only with PROXY_LIMIT seconds left (it took over 70 s on the H200's host)
 #
-# Results: OUT_DIR/RESULTS.md (the gpu, out_of_core and gpu_proxy sections), OUT_DIR/summary.txt and, packed in
+# Results: OUT_DIR/RESULTS.md (the gpu, optimizer_host, out_of_core and gpu_proxy sections), OUT_DIR/summary.txt and, packed in
 # OUT_DIR/all.tgz (the device sends back a few files only), the logs, stage_memory_<precision>[_expandable].json and
 # results/*.json: unpacked here (`tar xzf <files_at>/all.tgz -C DIR`), merge them with `python benchmarks/gpu.py
 # --merge DIR/results/gpu.json` and `python benchmarks/out_of_core.py --merge DIR/results/out_of_core.json`. Every
@@ -60,7 +62,8 @@ TOTAL=540                 # seconds for the whole command
 GRACE=10                  # a step past its limit gets SIGTERM, then SIGKILL this much later
 # measured on an H200 (2026-11-27): install 2 s, imports 28, calibrate 23, one stage_memory run of 8 batches 22,
 # out_of_core 36, gpu_tests 36; the proxy ran past 70
-declare -A LIMIT=([install]=30 [imports]=40 [calibrate]=30 [stage_memory]=90 [out_of_core]=50 [gpu_tests]=45)
+declare -A LIMIT=([install]=30 [imports]=40 [calibrate]=30 [optimizer_host]=45 [stage_memory]=90 [out_of_core]=50
+  [gpu_tests]=45)
 LATER=(stage_memory out_of_core gpu_tests)  # what the gpu step leaves time for
 FLOODING_LIMIT=90
 PROXY_LIMIT=80
@@ -148,6 +151,8 @@ if (($? == 2)); then
 fi
 
 step calibrate "${LIMIT[calibrate]}" python3 benchmarks/gpu.py --calibrate --out "$out/RESULTS.md"
+
+step optimizer_host "${LIMIT[optimizer_host]}" python3 benchmarks/optimizer_host.py --cycles 20 --out "$out/RESULTS.md"
 
 reserve=$((${#LATER[@]} * GRACE + 5))
 for name in "${LATER[@]}"; do reserve=$((reserve + LIMIT[$name])); done

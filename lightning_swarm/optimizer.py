@@ -561,6 +561,25 @@ class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaki
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **{"allow_state_sharing": False, **kwargs})
 
+    @torch.no_grad()
+    def accumulate_grads_(self, batch_size: int) -> None:
+        """hivemind's accumulation (the same counts, and each backward weighted by its batch over the first's) in one
+        multi-tensor add: on a GPU a few kernel launches per backward, not one per parameter tensor."""
+        if self._anchor_batch_size is None:
+            self._anchor_batch_size = batch_size
+        self.local_samples_accumulated += batch_size
+        self.local_times_accumulated += 1
+        grads = list(self._grads_from_parameters())
+        torch._foreach_add_(list(self._grad_accumulators()), grads, alpha=batch_size / self._anchor_batch_size)
+
+    @torch.no_grad()
+    def reset_accumulated_grads_(self) -> None:
+        """hivemind's reset, the accumulators zeroed in one multi-tensor call."""
+        self._accumulators_used_in_step = False
+        self.local_samples_accumulated = self.local_times_accumulated = 0
+        self._anchor_batch_size = None
+        torch._foreach_zero_(list(self._grad_accumulators()))
+
     @property
     def window(self) -> float:
         """How long a round opened at the end of an epoch looks for its partners: two matchmaking times. A partner
@@ -741,11 +760,13 @@ class SwarmOptimizer(hivemind.Optimizer):
             return
         averager = self.grad_averager
         scale = 1.0 / averager.local_times_accumulated if averager.local_times_accumulated else 0.0
-        with torch.no_grad():
-            for param, accumulated in zip(averager.parameters, averager._grad_accumulators()):
-                if param.grad is None:
-                    param.grad = torch.empty_like(param)
-                param.grad.copy_(accumulated).mul_(scale)
+        for param in averager.parameters:
+            if param.grad is None:
+                param.grad = torch.empty_like(param)
+        grads = [param.grad for param in averager.parameters]
+        with torch.no_grad():  # multi-tensor calls: a few kernel launches, not two per parameter tensor
+            torch._foreach_copy_(grads, list(averager._grad_accumulators()))
+            torch._foreach_mul_(grads, scale)
         averager.notify_used_averaged_gradients()
 
     def _update_global_epoch(self, grad_scaler: Any) -> None:

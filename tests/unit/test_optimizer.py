@@ -790,3 +790,31 @@ def test_a_stage_with_one_peer_steps_exactly_as_plain_training(delayed):
     finally:
         optimizer.shutdown()
         node.shutdown()
+
+
+def test_accumulation_weighs_each_backward_by_its_batch_as_hivemind_does():
+    """The multi-tensor accumulation keeps hivemind's weights (each backward's gradients times its batch over the
+    first backward's batch, since the last reset) and counts, and the reset zeroes the accumulators and the counts."""
+    node = SwarmNode().start()
+    model, optimizer = _optimizer(node, seed=0, prefix="weights", target=1000)
+    try:
+        averager = optimizer.grad_averager
+        grads = []
+        for batch in (4, 2, 6):
+            for param in model.parameters():
+                param.grad = torch.randn_like(param)
+            grads.append(([p.grad.clone() for p in model.parameters()], batch))
+            averager.accumulate_grads_(batch)
+        expected = [sum(g[i] * (batch / 4) for g, batch in grads) for i in range(2)]
+        assert all(torch.allclose(a, e) for a, e in zip(averager._grad_accumulators(), expected))
+        assert (averager.local_samples_accumulated, averager.local_times_accumulated) == (12, 3)
+        averager.reset_accumulated_grads_()
+        assert all(not a.any() for a in averager._grad_accumulators())
+        assert (averager.local_samples_accumulated, averager.local_times_accumulated) == (0, 0)
+        for param in model.parameters():
+            param.grad = torch.ones_like(param)
+        averager.accumulate_grads_(2)  # a new first backward: its batch is the new anchor
+        assert all(torch.equal(a, torch.ones_like(a)) for a in averager._grad_accumulators())
+    finally:
+        optimizer.shutdown()
+        node.shutdown()
