@@ -33,7 +33,8 @@ a staging buffer and an asynchronous host-to-device copy); and the stage optimiz
 device; alone (or after a failed round) the gradient's copy and scaling on the device, with a round (or delayed
 updates) hivemind's copies of the whole gradient into shared host memory and back and its scaling on one host thread
 (emulated waits, for the parameter count of the real model, ``EmulatedDevice.optimizer_numel``); the optimizer's own
-step kernel and the accumulators' reset (:func:`_install_optimizer`). The pipeline's blocks are
+step kernel (instead of its real step, on a GPU's resident optimizer) and the accumulators' reset
+(:func:`_install_optimizer`). The pipeline's blocks are
 :class:`EmulatedBlock`: their parameters are one element each (the real block's names, their real sizes in
 ``emulated_numel``), a call launches one kernel of the calibrated time for its samples and returns a real tensor of
 the real size without computing it. The trainer's local modules (:class:`EmulatedEmbedding`, :class:`EmulatedHead`)
@@ -669,9 +670,13 @@ def _install_optimizer(device: EmulatedDevice) -> None:
 
     def init(self, *args: Any, **kwargs: Any) -> None:
         state_init(self, *args, **kwargs)
-        if not self.offload_optimizer:  # AdamW's foreach step: parameters, gradients and two moments, 28 bytes each
-            self.optimizer.register_step_post_hook(
-                lambda *_: device.memory_kernel(28 * device.optimizer_numel, OPTIMIZER, launches=4)
+        if not self.offload_optimizer:
+            # AdamW's multi-tensor step on a GPU: its kernels' launches, and parameters, gradients and two moments, 28
+            # bytes each, on the device. Not the real step: on the CPU it runs one operation per tensor (torch's
+            # multi-tensor path is for CUDA tensors), milliseconds of the GIL for one-element stand-ins whose values
+            # nothing reads
+            self.optimizer.step = lambda closure=None: device.memory_kernel(
+                28 * device.optimizer_numel, OPTIMIZER, launches=4
             )
         else:  # the offloaded optimizer steps host copies of the parameters, on one thread
             self.optimizer.register_step_post_hook(
