@@ -619,9 +619,9 @@ def install(device: EmulatedDevice) -> None:
 def _install_optimizer(device: EmulatedDevice) -> None:
     """The stage optimizer on the device: per backward, accumulation into the gradient accumulators; per step:
 
-    - synchronous updates, no round (one peer, or a failed round): the accumulators scaled into new ``.grad``
-      tensors on the device (``SwarmOptimizer._load_local_gradients_into_optimizer``: one multi-tensor multiply,
-      reading and writing 4 bytes per element), then the optimizer's step kernel;
+    - synchronous updates, no round (one peer, or a failed round): the accumulators copied into ``.grad`` and scaled
+      there, on the device (``SwarmOptimizer._load_local_gradients_into_optimizer``: one multi-tensor copy and one
+      multi-tensor multiply, each reading and writing 4 bytes per element), then the optimizer's step kernel;
     - synchronous updates, a round: hivemind's path, the accumulators copied into shared host memory (pageable) and
       scaled on one thread, averaged, copied back, then the step kernel;
     - delayed updates (the optimizer offloaded to the host): the accumulators copied into shared host memory and
@@ -666,7 +666,7 @@ def _install_optimizer(device: EmulatedDevice) -> None:
     def load_local_into_optimizer(self) -> None:
         local_into_optimizer(self)
         if not self.offload_optimizer:  # delayed updates go through load_accumulators_into_averager_ (charged there)
-            device.memory_kernel(8 * device.optimizer_numel, OPTIMIZER, launches=2)
+            device.memory_kernel(16 * device.optimizer_numel, OPTIMIZER, launches=2)
 
     def init(self, *args: Any, **kwargs: Any) -> None:
         state_init(self, *args, **kwargs)

@@ -38,8 +38,8 @@
 #               on this machine's CPU, to hold against the gpu step's d_model 1024 32-true swarm and the calibration;
 #               last, and only with PROXY_LIMIT seconds left (it took over 70 s on the H200's host)
 #
-# Results: OUT_DIR/RESULTS.md (the gpu, optimizer_host, out_of_core and gpu_proxy sections), OUT_DIR/summary.txt and, packed in
-# OUT_DIR/all.tgz (the device sends back a few files only), the logs, stage_memory_<precision>[_expandable].json and
+# Results: OUT_DIR/RESULTS.md (the gpu, optimizer_host, out_of_core and gpu_proxy sections), OUT_DIR/summary.txt
+# and, packed in OUT_DIR/all.tgz (the device sends back a few files only), the logs, stage_memory_<precision>[_expandable].json and
 # results/*.json: unpacked here (`tar xzf <files_at>/all.tgz -C DIR`), merge them with `python benchmarks/gpu.py
 # --merge DIR/results/gpu.json` and `python benchmarks/out_of_core.py --merge DIR/results/out_of_core.json`. Every
 # process a step starts carries a mark in its environment: those still alive after the step (peers in sessions of
