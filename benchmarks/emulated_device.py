@@ -7,8 +7,9 @@ lock (a thread lock and ``flock``). Clocks are ``time.monotonic()``, one clock f
 
 - A kernel (:meth:`EmulatedDevice.kernel`) is enqueued at ``max(now, device busy until, this process's stream)``
   for its calibrated duration, so kernels of all processes run one at a time, in the order launched; launching it
-  holds the GIL for its launch cost (a spin), as eager PyTorch's launches do, and a kernel shorter than its launch
-  cannot finish before the launch does.
+  uses its launch cost of the thread's CPU, as eager PyTorch's launches do, holding the GIL for the share of it that
+  PyTorch's Python glue holds it (a block's forward about half, its backward, run by autograd's engine in C++, a
+  seventh), and a kernel shorter than its launch cannot finish before the launch does.
 - Each process has a default stream (the compute's), and each thread that asks for one
   (``device_sync.side_stream``: a stage server's decoding and encoding) a stream of its own. An asynchronous copy
   (:meth:`EmulatedDevice.copy_async`) occupies its stream, not the device, and later kernels of that stream start
@@ -51,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import json
 import mmap
 import os
@@ -91,6 +93,8 @@ ROUTE, CALL, CHECK, PIPE_FORWARD, PIPE_BACKWARD, BATCH = 30, 31, 32, 33, 34, 35
 REQUEST_KINDS = {"forward": 1, "backward": 2}
 
 SPIN = 1.5e-4  # the last seconds of a wait spent yielding rather than sleeping (timer slack is 50 us)
+OCCUPY_SLICE = 1e-4  # seconds of CPU per slice of a launch: its GIL-holding part, then its GIL-free part
+_RELEASED_WORK = bytes(32768)  # hashed with the GIL released (hashlib releases it above 2 KiB): ~40 us a call here
 TRAINER = 2  # the trainer's process number (stage servers: their stage)
 
 
@@ -105,6 +109,11 @@ class Calibration:
     blocks_per_stage: int = 4
     launch_forward: float = 2e-4  # host seconds to launch one block's forward
     launch_backward: float = 4e-4
+    # the share of a block's launch that holds the GIL: eager PyTorch runs an op's Python glue holding it and its C++
+    # dispatch without it; autograd's engine runs a backward's ops in C++ (py-spy with and without --gil on
+    # examples/gpt.py's Block on this CPU: benchmarks/RESULTS.md, "the launch's GIL")
+    gil_forward: float = 0.47
+    gil_backward: float = 0.14
     kernel_launch: float = 1e-5  # host seconds to launch a small kernel (codec, check, optimizer)
     kernel_min: float = 5e-6  # the shortest kernel
     hbm: float = 2.5e12  # bytes/s of memory-bound kernels
@@ -250,8 +259,17 @@ class EmulatedDevice:
 
     # ---- the device ---------------------------------------------------------------------------------------------
 
-    def kernel(self, seconds: float, kind: int, launch: Optional[float] = None, key: int = 0, extra: int = 0) -> None:
-        """Launch a kernel of ``seconds``: enqueued, then the launch's host time spent holding the GIL."""
+    def kernel(
+        self,
+        seconds: float,
+        kind: int,
+        launch: Optional[float] = None,
+        key: int = 0,
+        extra: int = 0,
+        gil: float = 1.0,
+    ) -> None:
+        """Launch a kernel of ``seconds``: enqueued, then the launch's host time spent on this thread's CPU, the share
+        ``gil`` of it holding the GIL."""
         launch = self.cal.kernel_launch if launch is None else launch
         seconds = max(seconds, self.cal.kernel_min)
         now, stream = time.monotonic(), getattr(self._local, "stream", None)
@@ -264,7 +282,7 @@ class EmulatedDevice:
                 self.tail = self.timeline.enqueue_beside(seconds, earliest, self.tail, self.proc, kind, key, launch)
             else:
                 self.tail = self.timeline.enqueue(seconds, earliest, self.tail, self.proc, kind, key, launch, extra)
-        _spin(launch)
+        _occupy(launch, gil)
 
     def copy_async(self, nbytes: int) -> None:
         """An asynchronous copy of ``nbytes`` from pinned memory onto this process's stream."""
@@ -388,11 +406,20 @@ class _Reached:
         self.device.wait_until(self.at)
 
 
-def _spin(seconds: float) -> None:
-    """Hold the GIL (and a core) for ``seconds``, as launching kernels does."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+def _occupy(seconds: float, gil: float = 1.0) -> None:
+    """Use ``seconds`` of this thread's CPU, as launching kernels does, in slices of ``OCCUPY_SLICE``: the share
+    ``gil`` of each holding the GIL (a spin), the rest hashing a buffer, which releases it (the spin's loop and each
+    hash call hold it too: about 8% of the released part, measured with py-spy)."""
+    now = time.thread_time()
+    end = now + seconds
+    while now < end:
+        held_until = min(end, now + gil * OCCUPY_SLICE)
+        while now < held_until:
+            now = time.thread_time()
+        released_until = min(end, now + (1.0 - gil) * OCCUPY_SLICE)
+        while now < released_until:
+            hashlib.sha1(_RELEASED_WORK)
+            now = time.thread_time()
 
 
 def _wait_until(target: float) -> float:
@@ -458,8 +485,10 @@ class EmulatedBlock(nn.Module):
 
     def launch(self, kind: int, samples: int) -> None:
         key, request = DEVICE.request()
-        hold = self.cal.launch_forward if kind == BLOCK_FORWARD else self.cal.launch_backward
-        DEVICE.kernel(self.cal.block_seconds(kind, samples), kind, hold, key, request)
+        forward = kind == BLOCK_FORWARD
+        hold = self.cal.launch_forward if forward else self.cal.launch_backward
+        gil = self.cal.gil_forward if forward else self.cal.gil_backward
+        DEVICE.kernel(self.cal.block_seconds(kind, samples), kind, hold, key, request, gil)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _BlockCall.apply(self, x, *self.parameters())

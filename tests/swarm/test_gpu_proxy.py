@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -94,6 +95,38 @@ def test_a_side_streams_codec_kernel_runs_beside_the_compute_queued_before_it(tm
     dev.kernel(1e-3, emu.CODEC, launch=0.0)
     in_order = dev.timeline.records()[-1]
     assert in_order["key2"] == 0 and in_order["t0"] == pytest.approx(blocks[3]["t1"])
+
+
+def test_a_launch_uses_its_cpu_and_releases_the_gil_for_its_share(tmp_path):
+    """A block's launch uses its cost of the launching thread's CPU. Holding the GIL throughout (a share of 1), it
+    keeps every other thread of the process out; with a share of 0.14 (a backward's), a thread waking every
+    millisecond runs during it, as beside autograd's engine."""
+    dev = device(tmp_path)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)  # no forced switch: only a released GIL lets the other thread in
+    try:
+        wakeups = {}
+        for gil in (1.0, 0.14):
+            woke, stop = [], threading.Event()
+
+            def wake(woke=woke, stop=stop):
+                while not stop.is_set():
+                    time.sleep(1e-3)
+                    woke.append(time.monotonic())
+
+            waker = threading.Thread(target=wake)
+            waker.start()
+            time.sleep(0.05)
+            cpu, began = time.thread_time(), time.monotonic()
+            dev.kernel(0.0, emu.BLOCK_BACKWARD, launch=0.2, gil=gil)
+            used, ended = time.thread_time() - cpu, time.monotonic()
+            stop.set()
+            waker.join()
+            assert used >= 0.2
+            wakeups[gil] = sum(began < t < ended for t in woke)
+    finally:
+        sys.setswitchinterval(switch)
+    assert wakeups[1.0] <= 1 and wakeups[0.14] >= 20, wakeups
 
 
 PROCESS = textwrap.dedent(
