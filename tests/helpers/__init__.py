@@ -7,10 +7,13 @@ conftest imports this module before it configures hivemind's environment.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
-import sys
 from pathlib import Path
+from typing import Optional
 
 import psutil
 import pytest
@@ -67,17 +70,33 @@ def history(path) -> dict:
         return json.load(f)
 
 
-def plain_training(args: list[str], tmp_path) -> tuple[dict, dict]:
-    """examples/gpt.py with the same arguments, trained in one process without a swarm: (state dict, history)."""
-    out = tmp_path / "plain"
-    subprocess.run(
-        [sys.executable, GPT_SCRIPT, "--single", *args, "--save", f"{out}.ckpt", "--history", f"{out}.json"],
-        check=True,
-        timeout=300,
-        capture_output=True,
-        start_new_session=True,
-    )
-    return torch.load(f"{out}.ckpt", weights_only=False)["state_dict"], history(f"{out}.json")
+def run_script(argv: list[str], log: Path, timeout: float, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """``python *argv`` as a test swarm's peer starts: forked from the template (:mod:`lightning_swarm.prefork`) whose
+    torch and Lightning imports the peers share, in a session of its own, with :data:`PEER_ENV` (and ``env``). Its
+    output (stdout and stderr) goes to the file ``log`` and comes back as ``stdout``; past ``timeout`` seconds its
+    process group is killed and :class:`subprocess.TimeoutExpired` raised."""
+    from lightning_swarm import prefork
+
+    full_env = {**os.environ, **PEER_ENV, "PYTHONUNBUFFERED": "1", **(env or {})}
+    process = prefork.spawn([str(a) for a in argv], full_env, os.getcwd(), str(log))
+    try:
+        code = process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(30)
+        raise
+    return subprocess.CompletedProcess(argv, code, Path(log).read_text(errors="replace"), "")
+
+
+def plain_training(args: list[str], tmp_path, script: str = GPT_SCRIPT) -> tuple[dict, dict]:
+    """``script`` (examples/gpt.py, or a script with its options) with the same arguments, trained in one process
+    without a swarm (``--single``): (state dict, history)."""
+    out = Path(tmp_path) / "plain"
+    argv = [script, "--single", *args, "--save", f"{out}.ckpt", "--history", f"{out}.json"]
+    done = run_script(argv, Path(tmp_path) / "plain.log", timeout=300)
+    assert done.returncode == 0, f"plain training {args} exited {done.returncode}:\n{done.stdout[-4000:]}"
+    return torch.load(f"{out}.ckpt", map_location="cpu", weights_only=False)["state_dict"], history(f"{out}.json")
 
 
 # one serve-only examples/gpt.py peer serving the only stage of a run, for tests that talk to it over the wire

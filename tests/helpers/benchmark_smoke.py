@@ -3,10 +3,7 @@ the 8-bit wire carries."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from helpers import ROOT
+from helpers import ROOT, run_script
 from lightning_swarm.settings import SwarmSettings
 
 
@@ -26,14 +23,9 @@ def sent_per_step(setup: dict, wiring: str = SwarmSettings().wiring) -> int:
 
 
 def smoke(tmp_path, name: str, timeout: float) -> str:
-    """Run ``benchmarks/<name>.py --smoke`` in a session of its own; returns the results it wrote."""
+    """Run ``benchmarks/<name>.py --smoke`` as a test swarm's peer starts (``helpers.run_script``); returns the
+    results it wrote."""
     out = tmp_path / "RESULTS.md"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--smoke", "--out", str(out)],
-        timeout=timeout,
-        capture_output=True,
-        text=True,
-        start_new_session=True,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_script([ROOT / "benchmarks" / f"{name}.py", "--smoke", "--out", out], tmp_path / "smoke.log", timeout)
+    assert result.returncode == 0, result.stdout[-3000:]
     return out.read_text()

@@ -4,13 +4,12 @@ model) on the swarm, or alone with ``--single``: examples/gpt.py's ``main()`` fo
     python tests/helpers/model_peer.py --model llama --single --max-steps 6 --history plain.json
     SWARM_NUM_STAGES=2 SWARM_STAGE=0 python tests/helpers/model_peer.py --model llama   # configured by SWARM_*
 
-Tests import ``SCRIPT`` (for a LocalSwarm of these peers) and ``plain_training``.
+Tests import ``SCRIPT``, for a LocalSwarm of these peers and for ``helpers.plain_training``.
 """
 
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,23 +24,6 @@ import lightning_swarm  # noqa: E402, F401  (registers strategy="swarm")
 from helpers.real_models import MODELS, TokenData, build  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve())
-
-
-def plain_training(args: list[str], workdir: Path) -> tuple[dict, dict]:
-    """This script with ``args``, trained in one process without a swarm (``--single``): (state dict, history)."""
-    out = Path(workdir) / "plain"
-    done = subprocess.run(
-        [sys.executable, SCRIPT, "--single", *args, "--save", f"{out}.ckpt", "--history", f"{out}.json"],
-        timeout=300,
-        capture_output=True,
-        text=True,
-        start_new_session=True,
-    )
-    output = done.stdout[-2000:] + done.stderr[-3000:]
-    assert done.returncode == 0, f"plain training {args} exited {done.returncode}:\n{output}"
-    with open(f"{out}.json") as f:
-        recorded = json.load(f)
-    return torch.load(f"{out}.ckpt", map_location="cpu", weights_only=False)["state_dict"], recorded
 
 
 class TokenHistory(History):

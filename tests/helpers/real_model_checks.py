@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from helpers import FAST, history
-from helpers.model_peer import plain_training
+from helpers import FAST, history, plain_training
+from helpers.model_peer import SCRIPT
 from helpers.real_models import PIPELINES, build
 
 EXACT_STEPS = 6  # with --vary-seq: sequences of 16, 24, 32, 16, 24, 32 tokens
@@ -46,7 +46,7 @@ def exact_against_single_process(swarm, tmp_path, model: str) -> None:
     swarm_seconds = time.monotonic() - start
 
     swarm_state = torch.load(tmp_path / "swarm.ckpt", map_location="cpu", weights_only=False)["state_dict"]
-    plain_state, plain_history = plain_training(args, tmp_path)
+    plain_state, plain_history = plain_training(args, tmp_path, SCRIPT)
     initial_state = build(model, 0).state_dict()
     assert swarm_state.keys() == plain_state.keys() == initial_state.keys()
     worst = max((swarm_state[k] - plain_state[k]).abs().max().item() for k in plain_state)
