@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 from pathlib import Path
-from typing import Optional
 
 import psutil
 import pytest
@@ -70,15 +69,15 @@ def history(path) -> dict:
         return json.load(f)
 
 
-def run_script(argv: list[str], log: Path, timeout: float, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+def run_script(argv: list[str], log: Path, timeout: float) -> subprocess.CompletedProcess:
     """``python *argv`` as a test swarm's peer starts: forked from the template (:mod:`lightning_swarm.prefork`) whose
-    torch and Lightning imports the peers share, in a session of its own, with :data:`PEER_ENV` (and ``env``). Its
+    torch and Lightning imports the peers share, in a session of its own, with :data:`PEER_ENV`. Its
     output (stdout and stderr) goes to the file ``log`` and comes back as ``stdout``; past ``timeout`` seconds its
     process group is killed and :class:`subprocess.TimeoutExpired` raised."""
     from lightning_swarm import prefork
 
-    full_env = {**os.environ, **PEER_ENV, "PYTHONUNBUFFERED": "1", **(env or {})}
-    process = prefork.spawn([str(a) for a in argv], full_env, os.getcwd(), str(log))
+    env = {**os.environ, **PEER_ENV, "PYTHONUNBUFFERED": "1"}
+    process = prefork.spawn([str(a) for a in argv], env, os.getcwd(), str(log))
     try:
         code = process.wait(timeout)
     except subprocess.TimeoutExpired:
