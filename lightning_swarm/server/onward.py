@@ -17,7 +17,6 @@ The handing on runs on threads of its own (routers block), so the event loop goe
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -88,9 +87,9 @@ class Onward:
         self.stage, self.wait_timeout = stage, wait_timeout
         self.routes: Optional[Routes] = None
         self.parcels = Parcels(max_parcel_bytes)
-        self._pool = ThreadPoolExecutor(MAX_HANDING_ON, "swarm-onward")
+        self.pool = ThreadPoolExecutor(MAX_HANDING_ON, "swarm-onward")  # threads that hand on (routers block)
 
-    async def hand_on(
+    def hand_on(
         self,
         kind: str,
         output: compression.WireTensor,
@@ -102,25 +101,10 @@ class Onward:
     ) -> compression.WireTensor:
         """The receipt for a chained request whose own hop made ``output``: parked if the chain ends here, else
         after the next hop took it (with ``sides``, the side inputs of the hops after this one), before
-        ``deadline`` (``time.monotonic()``) if given."""
+        ``deadline`` (``time.monotonic()``) if given. Blocks while the next hop answers: run it on :attr:`pool`."""
         if not hops:
             self.parcels.park(metadata["parcel"], output)
             return Receipt().encode()
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._pool, self._hand_on, kind, output, metadata, hops, sides, batch, deadline
-        )
-
-    def _hand_on(
-        self,
-        kind: str,
-        output: compression.WireTensor,
-        metadata: dict,
-        hops: list[dict],
-        sides: list,
-        batch: int,
-        deadline: Optional[float],
-    ) -> compression.WireTensor:
         routes, (hop, rest) = self.routes, (hops[0], hops[1:])
         request = {name: metadata[name] for name in PASSED_ON if name in metadata} | {"onward": rest}
         check = ReceiptCheck()
@@ -178,7 +162,7 @@ class Onward:
         return check.receipt.after(hop["peer"], []).encode()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _listed(event: Failover) -> list:

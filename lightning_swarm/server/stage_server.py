@@ -32,10 +32,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import queue
 import time
-from concurrent.futures import Future
-from typing import AsyncIterator, Optional, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import AsyncIterator, Callable, Optional, Sequence
 
 import torch
 from hivemind.p2p import P2PContext
@@ -70,6 +71,7 @@ log = logging.getLogger(__name__)
 BUSY_LOG_PERIOD = 10.0  # seconds between two log lines about one caller's busy answers of one kind
 BUSY_HOLD = 0.25  # seconds a caller answered busy more than once a second waits for each further busy answer
 MAX_HELD = 256  # busy answers held at once; beyond, they are sent at once
+CODEC_THREADS = min(32, (os.cpu_count() or 1) + 4)  # threads that decode and encode (asyncio's default executor's)
 
 
 class StageServer(StageService):
@@ -152,6 +154,7 @@ class StageServer(StageService):
         self._held = 0  # busy answers being held (counted on the event loop only)
         self.runtime = StageRuntime(self.backend, self._tasks, self._overloaded, idle_period, throttle)
         self.onward = Onward(stage, 4 * max_request_bytes)  # hands chained requests on; its router is set later
+        self._codec = ThreadPoolExecutor(CODEC_THREADS, f"stage{stage}-codec")  # decoding and encoding
 
     @property
     def throughput(self):
@@ -293,15 +296,26 @@ class StageServer(StageService):
             # a scaled gradient may have overflowed upstream: a backward with it is skipped, not refused
             finite = [True] * (expected - 1) + [loss_scale is None]
             train = bool(metadata.get("train", True))
-            loop = asyncio.get_running_loop()  # decoding and encoding run beside it, not on it
-            task = await loop.run_in_executor(
-                None, self._decode_request, kind, tensors, expected, finite, tree, key, loss_scale, train
-            )
-            self._submit(caller, task, key, metadata["origin"] if chained else caller)
-            output, done = await asyncio.wrap_future(task.future)
-            encoded = await loop.run_in_executor(None, self._encode, task, output, done, codec)
-            if chained:
-                encoded = await self.onward.hand_on(kind, encoded, metadata, hops, onward, task.batch, deadline)
+
+            def reply(task: Task, output: torch.Tensor, done: device_sync.Mark) -> compression.WireTensor:
+                encoded = self._encode(task, output, done, codec)
+                if not chained:
+                    return encoded
+                return self.onward.hand_on(kind, encoded, metadata, hops, onward, task.batch, deadline)
+
+            def decode_and_queue() -> tuple[Task, Future]:  # the worker takes it, then hands the output to a thread
+                task = self._decode_request(kind, tensors, expected, finite, tree, key, loss_scale, train)
+                answer = _when_computed(task, reply, self.onward.pool if hops else self._codec)
+                self._submit(caller, task, key, metadata["origin"] if chained else caller)
+                return task, answer
+
+            loop = asyncio.get_running_loop()  # a request's way from decoding to its reply takes no turn of it
+            task, answer = await loop.run_in_executor(self._codec, decode_and_queue)
+            try:
+                encoded = await asyncio.wrap_future(answer)
+            except asyncio.CancelledError:
+                task.future.cancel()  # the caller stopped waiting: not computed, if the worker has not begun
+                raise
         except (ActivationsLostError, NotServingError, ChainBrokenError):
             raise  # expected when the caller's view is stale: no log line
         except StageBusyError as e:
@@ -514,5 +528,38 @@ class StageServer(StageService):
             refuse(task.future, StageBusyError(f"stage {self.stage} is shutting down"))
         self.runtime.join(timeout=30)
         self.onward.close()
+        self._codec.shutdown(wait=False, cancel_futures=True)
         self.kept.clear()
         device_memory.dump(self._snapshot_path)
+
+
+def _when_computed(
+    task: Task, reply: Callable[[Task, torch.Tensor, device_sync.Mark], compression.WireTensor], pool: Executor
+) -> Future:
+    """The future of ``reply(task, output, done)``, run on ``pool`` as soon as the runtime answered ``task``: the
+    worker hands it to a thread of ``pool`` itself, with no turn of the event loop between the compute and the
+    reply's encoding. A failed compute's error, or a pool shut down with the server, is the reply's at once."""
+    computed, answer = task.future, Future()
+
+    def settle() -> None:
+        if answer.set_running_or_notify_cancel():  # else the caller stopped waiting
+            try:
+                answer.set_result(reply(task, *computed.result()))
+            except Exception as e:
+                answer.set_exception(e)
+
+    def hand(_: Future) -> None:
+        if computed.cancelled():
+            answer.cancel()
+        elif computed.exception() is not None:
+            refuse(answer, computed.exception())
+        else:
+            try:
+                job = pool.submit(settle)
+            except RuntimeError:  # shut down
+                refuse(answer, StageBusyError("the stage server is shutting down"))
+                return
+            job.add_done_callback(lambda job: job.cancelled() and refuse(answer, StageBusyError("shutting down")))
+
+    computed.add_done_callback(hand)
+    return answer
