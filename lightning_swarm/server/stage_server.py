@@ -11,8 +11,9 @@ Serving is split by role, as hivemind's ``moe/server`` splits it:
   take is served, so sequence length and batch size may change from request to request. Whether its values are
   finite is computed there too, but read only once its compute is done, so that no request waits for the one before
   it to know: one with NaN or Inf is refused then, its kept graph dropped and its gradients not accumulated. The
-  reply is encoded on that thread's stream too, once the device finished its compute, so that its copy never waits
-  behind the next request's kernels;
+  reply is encoded on a stream of the encoding thread's own, once the device finished its compute, so that its copy
+  never waits behind the next request's kernels. The decoding thread queues the request, and the worker hands its
+  output to the encoding thread: no turn of the event loop stands between a request's decoding and its reply;
 - the task pool (:mod:`~lightning_swarm.server.task_pool`): the accepted requests, in a bounded queue shared fairly
   between callers, handed over in batches where requests can share a pass;
 - the runtime (:mod:`~lightning_swarm.server.runtime`): the one thread that computes on the device, never waiting
