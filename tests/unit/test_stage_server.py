@@ -327,6 +327,32 @@ def test_a_request_is_queued_computed_and_encoded_while_the_event_loop_is_held()
         server.shutdown()
 
 
+def test_a_request_computed_after_its_reply_threads_stopped_is_answered_busy_not_left_waiting():
+    """The worker hands a computed output to a pool of threads that encode it; if that pool was shut down meanwhile
+    (the server closing), the request is answered busy at once rather than waiting for a reply that never comes."""
+    server = StageServer("run", 0, blocks(), CPU)
+    submit, queued = server._submit, threading.Event()
+
+    def submitted(*args) -> None:
+        submit(*args)
+        queued.set()
+
+    async def scenario() -> BaseException:
+        answer = asyncio.ensure_future(server.answer("forward", evaluation_forward(server)))
+        await until(queued.is_set, "the request to be decoded and queued")
+        server._codec.shutdown(wait=False, cancel_futures=True)
+        server.lock.release()
+        return await asyncio.wait_for(asyncio.gather(answer, return_exceptions=True), 30)
+
+    server.lock.acquire()  # the worker waits for it to compute
+    try:
+        with patch.object(server, "_submit", submitted):
+            (error,) = asyncio.run(scenario())
+        assert isinstance(error, StageBusyError) and "shutting down" in str(error), error
+    finally:
+        server.shutdown()
+
+
 class Sleepy(torch.nn.Linear):
     """A block whose forward takes at least 20 ms."""
 
