@@ -529,7 +529,7 @@ class StageServer(StageService):
             refuse(task.future, StageBusyError(f"stage {self.stage} is shutting down"))
         self.runtime.join(timeout=30)
         self.onward.close()
-        self._codec.shutdown(wait=False, cancel_futures=True)
+        self._codec.shutdown(wait=False)  # replies being encoded or queued to be still go out
         self.kept.clear()
         device_memory.dump(self._snapshot_path)
 
