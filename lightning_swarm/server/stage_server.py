@@ -549,6 +549,9 @@ def _when_computed(
             except Exception as e:
                 answer.set_exception(e)
 
+    def closing() -> None:
+        refuse(answer, StageBusyError("the stage server is shutting down"))
+
     def hand(_: Future) -> None:
         if computed.cancelled():
             answer.cancel()
@@ -558,9 +561,9 @@ def _when_computed(
             try:
                 job = pool.submit(settle)
             except RuntimeError:  # shut down
-                refuse(answer, StageBusyError("the stage server is shutting down"))
+                closing()
                 return
-            job.add_done_callback(lambda job: job.cancelled() and refuse(answer, StageBusyError("shutting down")))
+            job.add_done_callback(lambda job: job.cancelled() and closing())
 
     computed.add_done_callback(hand)
     return answer
