@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 from harness import GPT, ONE_THREAD, SWARM, model_args, script_parser, steady_throughput  # noqa: E402
-from helpers.emulated_hosts import EmulatedHosts, HostSwarm, Peer  # noqa: E402
+from helpers.emulated_hosts import EmulatedHosts, Host, HostSwarm, Peer  # noqa: E402
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
 
 PARTS = ("chain", "8bit", "nat")
@@ -128,10 +128,10 @@ def measure(run: Run, work: Path, timeout: float) -> dict:
         for name in nated:  # in client mode it dials the peers already there: start it once they are
             peers.start(name, serve[name][0], {**serve[name][1], "SWARM_CLIENT_MODE": "1"})
         peers.start("trainer", [*args, "--history", str(record)], {"SWARM_ROLE": "drive"})
-        first = history_at(record, peers.peers["trainer"], w.warmup, deadline)
-        start = trainer.link_bytes()
-        last = history_at(record, peers.peers["trainer"], w.steps, deadline)
-        end = trainer.link_bytes()
+        counts = LinkCounts(trainer)
+        first = history_at(record, peers.peers["trainer"], w.warmup, deadline, counts)
+        last = history_at(record, peers.peers["trainer"], w.steps, deadline, counts)
+        start, end = (counts.at(last["times"][n - 1]) for n in (first["steps"], last["steps"]))
         if code := peers.wait("trainer", max(1.0, deadline - time.monotonic())):
             raise RuntimeError(f"the trainer exited with {code}:\n{peers.peers['trainer'].log()[-3000:]}")
     window = (last["steps"] - first["steps"]) * w.batch
@@ -148,19 +148,45 @@ def measure(run: Run, work: Path, timeout: float) -> dict:
     }
 
 
-def history_at(path: Path, trainer: Peer, steps: int, deadline: float) -> dict:
-    """The trainer's history as soon as it recorded ``steps`` steps (polled often, so that the link's counters read
-    right after are those of that step's end)."""
+class LinkCounts:
+    """A host's link counters (:meth:`Host.link_bytes`), read again and again, each read
+    stamped with the time halfway through it: read at a step's end, they would count the steps that ran while the
+    poll that saw it slept and the read itself took (a CI run lost more than one step of five so)."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.reads: list[tuple[float, int]] = []
+
+    def read(self) -> None:
+        before = time.time()
+        count = self.host.link_bytes()
+        self.reads.append(((before + time.time()) / 2, count))
+
+    def at(self, moment: float) -> float:
+        """The bytes the link had carried at ``moment`` (wall-clock time), linearly between the reads around it."""
+        before = [r for r in self.reads if r[0] <= moment]
+        after = [r for r in self.reads if r[0] >= moment]
+        if not before or not after:
+            raise ValueError(f"no link count read on both sides of {moment}")
+        (t0, b0), (t1, b1) = before[-1], after[0]
+        return b0 if t1 == t0 else b0 + (b1 - b0) * (moment - t0) / (t1 - t0)
+
+
+def history_at(path: Path, trainer: Peer, steps: int, deadline: float, counts: LinkCounts) -> dict:
+    """The trainer's history once it recorded ``steps`` steps, reading the link's ``counts`` meanwhile (and once
+    after, so that the end of each step recorded lies between two reads)."""
     while True:
+        counts.read()
         if path.exists():
             history = json.loads(path.read_text())  # written whole, by a rename
             if history["steps"] >= steps:
+                counts.read()
                 return history
         if not trainer.alive():
             raise RuntimeError(f"the trainer exited with {trainer.process.returncode}:\n{trainer.log()[-3000:]}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"the trainer did not reach step {steps} in time:\n{trainer.log()[-3000:]}")
-        time.sleep(0.05)
+        time.sleep(0.1)
 
 
 def run_all(runs: list[Run], timeout: float) -> list[dict]:

@@ -17,7 +17,7 @@ def test_wiring_smoke(tmp_path):
     each of the 2 inner stage boundaries both ways, forward and backward (12 in all, with 3 stages), so that chain's
     trainer moves well under star's bytes per sample (a third of them, less what both wirings send besides the
     activations: a CI run saw 0.52, with chain at 5.8 activations per sample). Byte counts, not times: they hold on a
-    loaded machine, within the step that each edge of the counted window may straddle."""
+    loaded machine, within a step's share at the edges of the counted window."""
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
@@ -29,8 +29,8 @@ def test_wiring_smoke(tmp_path):
         assert row["steps"] == row["load"]["steps"] and math.isfinite(row["last_loss"]), row
         assert f"| {row['samples_per_s']:.2f} | {row['trainer_bytes_per_sample'] / 1024:.1f} |" in text, text
     activation = row["load"]["block"] * row["d_model"] * 4  # one sample's, fp32
-    # The link's counters are read once the trainer's record shows a step, which may be while the next step's bytes
-    # are already crossing: each edge of the window may miss part of a step, together at most one of its steps.
+    # The link's counters at each edge of the window are interpolated between reads around the step's end: bytes of
+    # the neighbouring steps may fall on either side of it, together well within one step.
     measured = row["load"]["steps"] - row["load"]["warmup"]
     edges = (measured - 1) / measured
     star, chain = rows["star"]["trainer_bytes_per_sample"], rows["chain"]["trainer_bytes_per_sample"]
