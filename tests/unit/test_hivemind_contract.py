@@ -251,20 +251,31 @@ def test_the_averagers_are_processes_that_can_start_by_fork():
 
 
 def test_a_donor_declaration_is_triggered_and_stored_where_the_coalescing_expects():
-    """_DeclaresCoalesced holds back the trigger that a change of the donor priority sends to the averager's process,
-    and relies on the declaration reading the priority when it is stored; BoundedGradientAverager turns sharing off
-    through the averager's constructor."""
-    trigger = DecentralizedAverager._trigger_declare_load_state
-    assert inspect.iscoroutinefunction(trigger) and parameters(trigger) == ["self"], (
-        f"hivemind {hivemind.__version__}: the averager's declaration trigger changed (_DeclaresCoalesced); {PIN}"
+    """_DeclaresCoalesced replaces the event that wakes the averager's declaration (hivemind assigns it in the
+    averager's process, and sets it on a new priority and as a round averages), and relies on the declaration
+    reading the priority when it is stored; BoundedGradientAverager turns sharing off through the constructor."""
+    assert "self._state_updated = asyncio.Event()" in source(DecentralizedAverager._run_internal), (
+        f"hivemind {hivemind.__version__}: the averager no longer makes its declaration event so (_DeclaresCoalesced); "
+        f"{PIN}"
     )
-    assert "_trigger_declare_load_state" in source(DecentralizedAverager.state_sharing_priority.fset)
+    assert "self._state_updated.set()" in source(DecentralizedAverager._trigger_declare_load_state)
     declare = source(DecentralizedAverager._declare_for_download_periodically)
     assert "value=self.state_sharing_priority" in declare and "self._state_updated.wait()" in declare, (
         f"hivemind {hivemind.__version__}: a declaration no longer stores the priority as it is then; {PIN}"
     )
     assert "allow_state_sharing" in inspect.signature(DecentralizedAverager.__init__).parameters
-    assert "_trigger_declare_load_state" in vars(optimizer._DeclaresCoalesced)
+    assert isinstance(vars(optimizer._DeclaresCoalesced)["_state_updated"], property)
+
+
+def test_a_round_reads_the_declared_averagers_where_the_pacing_expects():
+    """_BoundedMatchmaking paces the group key manager's reads of the declared averagers: hivemind assigns the
+    averager's matchmaking in its process, which makes that manager, and a round reads through its method."""
+    assert "self._matchmaking = Matchmaking(" in source(DecentralizedAverager._run_internal), (
+        f"hivemind {hivemind.__version__}: the averager no longer makes its matchmaking so (_BoundedMatchmaking); {PIN}"
+    )
+    assert "self.group_key_manager = GroupKeyManager(" in source(Matchmaking.__init__)
+    assert "key_manager.get_averagers(" in source(PotentialLeaders._update_queue_periodically)
+    assert isinstance(vars(optimizer._BoundedMatchmaking)["_matchmaking"], property)
 
 
 def test_the_progress_tracker_takes_start_and_its_rate_estimate_can_be_replaced():

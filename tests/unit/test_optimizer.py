@@ -37,6 +37,7 @@ from lightning_swarm.optimizer import (
     SwarmOptimizer,
     TrainerCount,
     _DeclaresCoalesced,
+    _paced,
     cancel_round,
     swarm_optimizer,
 )
@@ -345,28 +346,54 @@ def test_more_samples_within_an_epoch_are_reported_coalesced():
 
 
 def test_an_averager_declares_itself_a_donor_at_most_once_a_period(monkeypatch):
-    """hivemind's optimizer changes a donor's priority (its epoch) at every step, and each change stored a declaration
-    in the DHT: within a period the triggers become one at once and one when the period ends."""
+    """hivemind's averager stores a declaration each time its ``_state_updated`` event is set: at every step (a new
+    priority) and for every tensor of an all-reduce round. Within a period the sets become one at once and one when
+    the period ends."""
     monkeypatch.setattr(optimizer_module, "DECLARE_PERIOD", 0.3)
+    averager = object.__new__(_DeclaresCoalesced)  # the event only: no process, no DHT
 
-    class CountedEvent(asyncio.Event):
-        sets = 0
+    async def declarations_after_ten_sets() -> tuple[int, int, int]:
+        averager._state_updated = asyncio.Event()  # as hivemind's averager process makes it
+        declared = 0
 
-        def set(self) -> None:
-            self.sets += 1
-            super().set()
+        async def declare_on_each_wake() -> None:  # as hivemind's _declare_for_download_periodically
+            nonlocal declared
+            while True:
+                averager._state_updated.clear()
+                await averager._state_updated.wait()
+                declared += 1
 
-    averager = object.__new__(_DeclaresCoalesced)  # the trigger's own state only: no process, no DHT
+        declarer = asyncio.create_task(declare_on_each_wake())
+        await asyncio.sleep(0)
+        for _ in range(10):
+            averager._state_updated.set()
+            await asyncio.sleep(0)  # the declarer runs if woken
+        at_once = declared
+        await asyncio.sleep(0.6)  # the held set is released once, 0.3 s after the first
+        held = declared
+        averager._state_updated.set()  # a period after the last: at once
+        await asyncio.sleep(0)
+        declarer.cancel()
+        return at_once, held, declared
 
-    async def trigger_ten_times() -> tuple[int, int]:
-        averager._state_updated = CountedEvent()
-        triggers = [asyncio.create_task(averager._trigger_declare_load_state()) for _ in range(10)]  # as hivemind
-        await asyncio.sleep(0)  # each trigger ran up to its wait, or to its end
-        at_once = averager._state_updated.sets
-        await asyncio.wait(triggers, timeout=30)
-        return at_once, averager._state_updated.sets
+    assert asyncio.run(declarations_after_ten_sets()) == (1, 2, 3)
 
-    assert asyncio.run(trigger_ten_times()) == (1, 2)
+
+def test_a_round_reads_the_declared_averagers_at_most_once_a_period():
+    """hivemind's round reads the declared averagers again as soon as a read comes back empty: paced, each read
+    after the first waits for the period since the last to end, and returns what the read returned."""
+    starts: list[float] = []
+
+    async def lookup(key: str) -> str:
+        starts.append(time.monotonic())
+        return key
+
+    async def read_five_times() -> list[str]:
+        paced = _paced(lookup, 0.2)
+        return [await paced(f"k{n}") for n in range(5)]
+
+    assert asyncio.run(read_five_times()) == [f"k{n}" for n in range(5)]
+    assert all(later - earlier >= 0.2 for earlier, later in zip(starts, starts[1:])), starts
 
 
 def test_the_latest_epoch_is_declared_and_gradients_are_not_offered_for_download():
