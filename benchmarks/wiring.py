@@ -149,9 +149,9 @@ def measure(run: Run, work: Path, timeout: float) -> dict:
 
 
 class LinkCounts:
-    """A host's link counters (:meth:`Host.link_bytes`), read again and again, each read
-    stamped with the time halfway through it: read at a step's end, they would count the steps that ran while the
-    poll that saw it slept and the read itself took (a CI run lost more than one step of five so)."""
+    """A host's link counters (:meth:`Host.link_bytes`), read on every poll, each read stamped with the time halfway
+    through it. Read only once a step's end was seen, they would also count the steps that ran while the poll slept
+    and the read itself took (a CI run lost more than one step of five so)."""
 
     def __init__(self, host: Host) -> None:
         self.host = host
