@@ -280,11 +280,10 @@ class SwarmStrategy(Strategy):
         if self._remote is not None:
             self._remote.trail_backward = self._may_trail_backward()
 
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        self._finish_backward()
-
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self._remote is not None and self._remote.trail_backward:
+        trails = self._remote is not None and self._remote.trail_backward
+        self._finish_backward(but_latest=trails)  # this batch's backward left first: its sends waited for nothing
+        if trails:
             self._trailing_batch_size = self._batch_size
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -456,13 +455,14 @@ class SwarmStrategy(Strategy):
             and optimizer.tracker.epoch_goes_on_after(self._batch_size or 1)
         )
 
-    def _finish_backward(self) -> None:
-        """Land the backward left running behind (:meth:`RemotePipeline.finish_backward`), its gradients weighted as
-        its own batch's: the optimizer weighs the gradients it accumulates by the batch in progress."""
+    def _finish_backward(self, but_latest: bool = False) -> None:
+        """Land the backward left running behind by the batch before (:meth:`RemotePipeline.finish_backward`), its
+        gradients weighted as its own batch's: the optimizer weighs the gradients it accumulates by the batch in
+        progress. ``but_latest``: this batch's own, left behind already, runs on."""
         if self._remote is None or self._trailing_batch_size is None:
             return
         scale, self._trailing_batch_size = self._trailing_batch_size / (self._batch_size or 1), None
-        self._remote.finish_backward(scale)
+        self._remote.finish_backward(scale, but_latest)
 
     def _loss_scale(self) -> Optional[float]:
         """The current scale of the Trainer's GradScaler (``16-mixed``), sent with gradients to stage servers."""

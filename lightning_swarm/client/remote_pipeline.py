@@ -28,8 +28,8 @@ that of its own mean loss, which is what the stage optimizers accumulate, and th
 A forward run while :attr:`RemotePipeline.trail_backward` is set leaves its backward running behind: autograd's
 backward through the pipeline only sends the output gradient on, and returns at once, so that the trainer's next
 batch starts its forward while the stages still compute this one's backward. The input gradient reaches the modules
-before the pipeline when :meth:`RemotePipeline.finish_backward` is called (the strategy calls it as the next batch's
-backward begins, and before training ends).
+before the pipeline when :meth:`RemotePipeline.finish_backward` is called: the strategy calls it once the next
+batch's backward has left in turn (that one's sends do not wait for the older one's end), and before training ends.
 """
 
 from __future__ import annotations
@@ -173,10 +173,12 @@ class RemotePipeline(nn.Module):
         most = MAX_THREADS if self.tuner.microbatches == "auto" else self.tuner.microbatches
         # a batch's forward beside the previous batch's trailing backward: twice the microbatches in flight
         self._pool = ThreadPoolExecutor(2 * most, "swarm-microbatch") if most > 1 else None
-        self._behind = ThreadPoolExecutor(1, "swarm-backward")
+        # two: a batch's backward leaves while the one before it still ends (see finish_backward)
+        self._behind = ThreadPoolExecutor(2, "swarm-backward")
         self._slots = _Slots()
         self._trailing: list[Trailing] = []
         self._latest = (0.0, 0.0)  # the latest backward through the stages: its forward's start, its end
+        self._latest_lock = threading.Lock()
 
     @property
     def num_stages(self) -> int:
@@ -253,10 +255,18 @@ class RemotePipeline(nn.Module):
         and the other direction's come from the peer handing them on, each within its own share: twice."""
         return count if self.wiring == "star" or self.num_stages == 1 else 2 * count
 
-    def finish_backward(self, scale: float = 1.0) -> None:
+    def finish_backward(self, scale: float = 1.0, but_latest: bool = False) -> None:
         """Wait for the backwards left running behind, oldest first, and take their input gradients, times
         ``scale``, back through the modules before the pipeline; a failed one raises here. A segment run before one
-        of them (the model read an activation between stages) is taken back in turn, unscaled."""
+        of them (the model read an activation between stages) is taken back in turn, unscaled. ``but_latest``: the
+        backward left behind last (the current batch's, already sent) runs on."""
+        running = [self._trailing.pop()] if but_latest and self._trailing else []
+        try:
+            self._land(scale)
+        finally:
+            self._trailing += running
+
+    def _land(self, scale: float) -> None:
         while self._trailing:
             trailing, self._trailing = self._trailing, []
             for behind in trailing:
@@ -267,7 +277,7 @@ class RemotePipeline(nn.Module):
             scale = 1.0
 
     def _leave_behind(self, grad_outputs: torch.Tensor, routes: list[Route], started: float, inputs: _Held) -> None:
-        """Run the backward along ``routes`` on the backward thread; :meth:`finish_backward` lands it."""
+        """Run the backward along ``routes`` on a backward thread; :meth:`finish_backward` lands it."""
         self._slots.reserve(len(routes))  # before the next batch's forward asks for places
         try:
             grad_inputs = self._behind.submit(self._backward_timed, grad_outputs, routes, started, reserved=True)
@@ -287,10 +297,12 @@ class RemotePipeline(nn.Module):
         grad_inputs = self.run_backward(grad_outputs, routes, reserved)
         batch_size = grad_outputs.shape[0] if grad_outputs.ndim else 1
         ended = time.perf_counter()
-        earlier_started, earlier_ended = self._latest
-        since = max(started, earlier_ended) if earlier_started < started else started
+        with self._latest_lock:  # two backwards may end at once (finish_backward)
+            earlier_started, earlier_ended = self._latest
+            since = max(started, earlier_ended) if earlier_started < started else started
+            if started >= earlier_started:
+                self._latest = (started, ended)
         self.tuner.record(batch_size, len(routes), ended - since)
-        self._latest = (started, ended)
         return grad_inputs
 
     def close(self) -> None:

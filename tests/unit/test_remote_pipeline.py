@@ -208,6 +208,75 @@ def test_a_trailing_backward_that_failed_raises_when_it_is_landed():
         pipeline.close()
 
 
+class HeldFirstRouter(EchoRouter):
+    """An EchoRouter whose first ``held`` backward calls wait for ``gate``; ``answered`` counts the backward calls
+    answered."""
+
+    def __init__(self, held: int) -> None:
+        super().__init__()
+        self.gate, self.held, self.backwards, self.answered = threading.Event(), held, 0, 0
+
+    def call(self, stage, method, messages, metadata, batch, prefer=None, check=None):
+        if method == "backward":
+            with self.lock:
+                self.backwards += 1
+                wait = self.backwards <= self.held
+            if wait:
+                assert self.gate.wait(30), "the backward was never released"
+        reply = super().call(stage, method, messages, metadata, batch, prefer, check)
+        if method == "backward":
+            with self.lock:
+                self.answered += 1
+        return reply
+
+
+def test_the_next_backward_leaves_while_the_one_before_still_runs_and_each_lands_once():
+    """A batch's trailing backward is sent while the previous batch's is still held at the stages (its sends wait
+    for nothing older); landing all but the latest then takes only the older one's input gradient, times its
+    scale, and the latest lands later: the gradients of backwards that waited."""
+    torch.manual_seed(0)
+    embed, w = torch.nn.Linear(5, 5), torch.randn(6, 5)
+    first, second = torch.randn(6, 5), torch.randn(6, 5)
+    router = HeldFirstRouter(held=2)
+    pipeline = RemotePipeline(router, codec="none", microbatches=2)
+    pipeline._places = lambda count: 2 * count  # chain wiring's places: the next forward does not wait for them
+
+    def loss(batch: torch.Tensor) -> torch.Tensor:
+        return (pipeline(embed(batch)) * w).sum()
+
+    def waited(batch: torch.Tensor) -> torch.Tensor:
+        embed.zero_grad()
+        loss(batch).backward()
+        return embed.weight.grad.clone()
+
+    try:
+        router.gate.set()
+        router.held = 0
+        expected_first, expected_second = waited(first), waited(second)
+        embed.zero_grad()
+        router.gate.clear()
+        router.held, router.backwards, router.answered = 2, 0, 0
+
+        pipeline.trail_backward = True
+        loss(first).backward()  # its two microbatches' backward calls are held
+        loss(second).backward()
+        deadline = time.monotonic() + 30
+        while router.answered < 4:  # two microbatches through two stages
+            assert time.monotonic() < deadline, "the next backward waited for the one before to end"
+            time.sleep(0.01)
+        assert not router.gate.is_set() and embed.weight.grad is None
+
+        router.gate.set()
+        pipeline.finish_backward(scale=0.5, but_latest=True)
+        torch.testing.assert_close(embed.weight.grad, 0.5 * expected_first)
+        pipeline.finish_backward()
+        torch.testing.assert_close(embed.weight.grad, 0.5 * expected_first + expected_second)
+        assert router.answered == 8 and router.stats.trailing == 2
+    finally:
+        router.gate.set()
+        pipeline.close()
+
+
 def test_microbatch_tuning_times_an_overlapped_batch_from_the_end_of_the_backward_before(monkeypatch):
     """A batch whose forward overlapped the previous batch's trailing backward is timed from that backward's end,
     not from its own start: the wait behind the batch before is not its cost (timing it made "auto" climb to the
