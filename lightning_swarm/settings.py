@@ -107,19 +107,19 @@ class SwarmSettings:
     starts at two per stage (``2 * num_stages``) and climbs to the neighbouring divisor of the batch size while
     that is at least 5% faster over a few batches."""
     overlap_batches: bool = field(default=True, metadata={CAST: flag})
-    """when no optimizer step can follow a batch (the target batch spans more of the swarm's batches), its
-    backward through the stages runs on while the next batch's forward starts, instead of the trainer waiting for
-    it, so that the stages are not left idle while the trainer ends one batch and begins the next. The input
-    gradient it brings back reaches the modules before the pipeline (the embedding) once the next batch's backward
-    has left in turn, before that batch's optimizer call, so ``on_after_backward`` does not see those modules'
-    gradients of a batch that trailed (the sums stepped on are unchanged). Only under automatic optimization,
-    without gradient clipping and without ``16-mixed``'s loss scaling. The next batch's microbatches start as the
-    backward's end where this peer sends both directions to one stage's queue (star wiring, one stage), so that it
-    keeps its fair share of that queue. Default True: on the
-    GPU proxy at target 128 it raised the share of the device's time spent computing from 0.85-0.86 to 0.89-0.92 at
-    d_model 2048 and from 0.56-0.63 to 0.70-0.77 at 1024 (``benchmarks/RESULTS.md``). Not yet measured on a GPU
-    with a fitting microbatch count: on an H200 "auto" microbatches climbed to 8 before a fix (0.19 of plain
-    training in ``bf16-mixed`` at d_model 2048, 0.34 with this off)."""
+    """when no optimizer step can follow a batch (the target batch spans more of the swarm's batches), its backward
+    through the stages runs on while the next batch's forward starts, instead of the trainer waiting for it, so that
+    the stages are not left idle while the trainer ends one batch and begins the next. The input gradient it brings
+    back reaches the modules before the pipeline (the embedding) once the next batch's backward has left in turn,
+    before that batch's optimizer call, so ``on_after_backward`` does not see those modules' gradients of a batch
+    that trailed (the sums stepped on are unchanged). Only under automatic optimization, without gradient clipping
+    and without ``16-mixed``'s loss scaling. The next batch's microbatches start as the backward's end where this
+    peer sends both directions to one stage's queue (star wiring, one stage), so that it keeps its fair share of
+    that queue. Default True: on the GPU proxy at target 128 it raised the share of the device's time spent
+    computing from 0.85-0.86 to 0.89-0.92 at d_model 2048 and from 0.56-0.63 to 0.70-0.77 at 1024
+    (``benchmarks/RESULTS.md``). Not yet measured on a GPU with a fitting microbatch count: on an H200 "auto"
+    microbatches climbed to 8 before a fix (0.19 of plain training in ``bf16-mixed`` at d_model 2048, 0.34 with this
+    off)."""
     checkpoint_activations: bool = field(default=False, metadata={CAST: flag})
     """a stage server keeps only each block's input from a training forward and recomputes the block in backward
     (activation checkpointing): memory stays flat with many microbatches in flight, for about one more forward
