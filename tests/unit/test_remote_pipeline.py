@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Optional
 
 import torch
 
@@ -120,23 +121,33 @@ def test_a_batch_assembled_in_place_under_inference_mode():
 
 
 class GatedRouter(EchoRouter):
-    """An EchoRouter whose backward calls wait for ``gate`` (and raise ``error`` if set); ``most`` counts the calls
-    in flight, waiting ones included."""
+    """An EchoRouter whose backward calls (only the first ``held`` if given) wait for ``gate`` (and raise ``error``
+    if set); ``most`` counts the calls in flight, waiting ones included; ``backwards`` the backward calls made,
+    ``answered`` those answered."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: Optional[int] = None) -> None:
         super().__init__()
-        self.gate, self.error, self.waiting = threading.Event(), None, 0
+        self.gate, self.error, self.waiting, self.held = threading.Event(), None, 0, held
+        self.backwards = self.answered = 0
 
     def call(self, stage, method, messages, metadata, batch, prefer=None, check=None):
         with self.lock:
             self.waiting += 1
             self.most = max(self.most, self.waiting)
+            if method == "backward":
+                self.backwards += 1
+                gated = self.held is None or self.backwards <= self.held
         try:
             if method == "backward":
-                assert self.gate.wait(30), "the backward was never released"
+                if gated:
+                    assert self.gate.wait(30), "the backward was never released"
                 if self.error is not None:
                     raise self.error
-            return super().call(stage, method, messages, metadata, batch, prefer, check)
+            reply = super().call(stage, method, messages, metadata, batch, prefer, check)
+            if method == "backward":
+                with self.lock:
+                    self.answered += 1
+            return reply
         finally:
             with self.lock:
                 self.waiting -= 1
@@ -208,28 +219,6 @@ def test_a_trailing_backward_that_failed_raises_when_it_is_landed():
         pipeline.close()
 
 
-class HeldFirstRouter(EchoRouter):
-    """An EchoRouter whose first ``held`` backward calls wait for ``gate``; ``answered`` counts the backward calls
-    answered."""
-
-    def __init__(self, held: int) -> None:
-        super().__init__()
-        self.gate, self.held, self.backwards, self.answered = threading.Event(), held, 0, 0
-
-    def call(self, stage, method, messages, metadata, batch, prefer=None, check=None):
-        if method == "backward":
-            with self.lock:
-                self.backwards += 1
-                wait = self.backwards <= self.held
-            if wait:
-                assert self.gate.wait(30), "the backward was never released"
-        reply = super().call(stage, method, messages, metadata, batch, prefer, check)
-        if method == "backward":
-            with self.lock:
-                self.answered += 1
-        return reply
-
-
 def test_the_next_backward_leaves_while_the_one_before_still_runs_and_each_lands_once():
     """A batch's trailing backward is sent while the previous batch's is still held at the stages (its sends wait
     for nothing older); landing all but the latest then takes only the older one's input gradient, times its
@@ -237,7 +226,7 @@ def test_the_next_backward_leaves_while_the_one_before_still_runs_and_each_lands
     torch.manual_seed(0)
     embed, w = torch.nn.Linear(5, 5), torch.randn(6, 5)
     first, second = torch.randn(6, 5), torch.randn(6, 5)
-    router = HeldFirstRouter(held=2)
+    router = GatedRouter(held=2)
     pipeline = RemotePipeline(router, codec="none", microbatches=2)
     pipeline._places = lambda count: 2 * count  # chain wiring's places: the next forward does not wait for them
 
@@ -251,11 +240,10 @@ def test_the_next_backward_leaves_while_the_one_before_still_runs_and_each_lands
 
     try:
         router.gate.set()
-        router.held = 0
         expected_first, expected_second = waited(first), waited(second)
         embed.zero_grad()
         router.gate.clear()
-        router.held, router.backwards, router.answered = 2, 0, 0
+        router.backwards = router.answered = 0
 
         pipeline.trail_backward = True
         loss(first).backward()  # its two microbatches' backward calls are held
