@@ -790,7 +790,7 @@ def main() -> None:
     )
     parser.add_argument("--no-plain", action="store_true", help="only the swarm (plain measured in an earlier run)")
     parser.add_argument("--warmup", type=int, help="warm-up batches of a fixed count (default 2; cpu, smoke: 1)")
-    parser.add_argument("--max-warmup", type=int, default=24, help='most warm-up batches of "auto"')
+    parser.add_argument("--max-warmup", type=int, default=100, help='most warm-up batches of "auto"')
     parser.add_argument("--batches", type=int, help="timed batches per phase (default 5; cpu, smoke: 2)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may train (swarm: once up)")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds all the runs may take")

@@ -903,7 +903,7 @@ def plan(quick: bool, timed: Optional[int]) -> list[tuple[int, int, list[dict]]]
             n = timed or (6 if target == BATCH else 16)  # 128: a stage steps once in 16 batches
             phases = [{"microbatches": m, "warmup": 2, "batches": n} for m in (2, 4, 8)]
             phases[0]["warmup"] = 3  # the first batches open connections
-            phases.append({"microbatches": "auto", "warmup": 4, "max_warmup": 20, "batches": n})
+            phases.append({"microbatches": "auto", "warmup": 4, "max_warmup": 100, "batches": n})
             swarms.append((d_model, target, phases))
     return swarms
 

@@ -105,7 +105,8 @@ class SwarmSettings:
     that one trainer keeps several stages busy and transfers overlap compute (loss and gradients equal the
     unsplit batch's). Uses the largest divisor of the batch size not above it. Default ``"auto"``: measured:
     starts at two per stage (``2 * num_stages``) and climbs to the neighbouring divisor of the batch size while
-    that is at least 5% faster over a few batches."""
+    that is at least 5% faster over a few batches (where batches overlap, ``overlap_batches``, over runs of six
+    batches of each count, the first two of each run not timed: a change of count unsettles the pipeline)."""
     overlap_batches: bool = field(default=True, metadata={CAST: flag})
     """when no optimizer step can follow a batch (the target batch spans more of the swarm's batches), its backward
     through the stages runs on while the next batch's forward starts, instead of the trainer waiting for it, so that

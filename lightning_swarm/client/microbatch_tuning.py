@@ -7,8 +7,12 @@ and the peers, so no fixed rule is right for both a small model on a slow link a
 ``microbatches="auto"`` the trainer starts at ``AUTO_MICROBATCHES_PER_STAGE`` per stage and climbs to the
 neighbouring divisor of the batch size while that is measurably faster, then keeps the best count for that batch
 size. Each step of the climb compares two counts side by side, alternating batches between them, so that a load
-that comes and goes on a shared machine weighs on both alike. The loss and gradients do not depend on the count
-(see ``remote_pipeline``).
+that comes and goes on a shared machine weighs on both alike. Where a batch's forward overlaps the backward of the
+batch before (``overlap_batches``), a change of count unsettles the pipeline for a few batches and a batch's time is
+the gap between two backwards' ends, a long gap often followed by a short one: the counts then take turns
+``RUN_BATCHES`` batches at a time, the first ``SETTLING_BATCHES`` of each run and a batch that overlapped nothing (the
+first after an optimizer step) are not timed, and the mean of the rest counts. The loss and gradients do not depend
+on the count (see ``remote_pipeline``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ MIN_MICROBATCH_SIZE = 1  # samples
 WARMUP_BATCHES = 1  # a count's first batches, not timed (connections, threads, allocator, caches)
 TRIAL_BATCHES = 3  # batches timed per count and comparison; their median counts
 MIN_GAIN = 0.05  # a neighbouring count must be this much faster to be taken: steps of a swarm are noisy
+RUN_BATCHES = 6  # where batches overlap: batches of one count in a row, two runs per count and comparison
+SETTLING_BATCHES = 2  # where batches overlap: a run's first batches, not timed (gpu_proxy: a run's second batch
+# after a change from 8 microbatches to 4 took up to twice the steady time)
 
 
 def check_microbatches(value: Union[int, str]) -> Microbatches:
@@ -65,11 +72,19 @@ class _Search:
     timings: dict[int, list[float]] = field(default_factory=dict)
     seen: dict[int, int] = field(default_factory=dict)  # batches run at each count, warm-up included
     measured: dict[int, float] = field(default_factory=dict)  # each count's last median, for the log
+    recorded: int = 0  # batches recorded in this comparison, timed or not
+    last: Optional[int] = None  # the count of the batch recorded last
+    run: int = 0  # batches of that count recorded in a row
+    overlapping: bool = False  # batches overlap: the counts take turns in runs
 
     def next_count(self) -> int:
-        """The count of the two with fewer batches timed (the best first): the two take turns."""
+        """The count whose turn it is: batch by batch, the one of the two with fewer batches timed (the best first);
+        where batches overlap, ``RUN_BATCHES`` each in turn (the records lag a batch behind the counts given out:
+        the runs keep their length)."""
         if self.challenger is None:
             return self.best
+        if self.overlapping:
+            return (self.best, self.challenger)[self.recorded // RUN_BATCHES % 2]
         timed = {count: len(self.timings.get(count, ())) for count in (self.best, self.challenger)}
         return self.best if timed[self.best] <= timed[self.challenger] else self.challenger
 
@@ -102,21 +117,29 @@ class MicrobatchTuner:
         search = self._searches.get(batch_size)
         return search.best if search is not None and search.challenger is None else None
 
-    def record(self, batch_size: int, count: int, seconds: float) -> None:
+    def record(self, batch_size: int, count: int, seconds: float, overlapped: bool = False) -> None:
         """A batch of ``batch_size`` samples split into ``count`` microbatches took ``seconds`` of the stages' time
-        (forward and backward; where batches overlap, from the end of the batch before)."""
+        (forward and backward; where batches overlap, from the end of the batch before). ``overlapped``: its forward
+        ran beside the backward of the batch before."""
         with self._lock:
-            self._record(batch_size, count, seconds)
+            self._record(batch_size, count, seconds, overlapped)
 
-    def _record(self, batch_size: int, count: int, seconds: float) -> None:
+    def _record(self, batch_size: int, count: int, seconds: float, overlapped: bool) -> None:
         search = self._searches.get(batch_size)
         if search is None or search.challenger is None or count not in (search.best, search.challenger):
             return
         search.seen[count] = search.seen.get(count, 0) + 1
+        search.recorded += 1
+        search.run = search.run + 1 if count == search.last else 1
+        search.last = count
+        search.overlapping |= overlapped
         if search.seen[count] <= WARMUP_BATCHES:
             return
+        if search.overlapping and (search.run <= SETTLING_BATCHES or not overlapped):
+            return
         search.timings.setdefault(count, []).append(seconds)
-        if all(len(search.timings.get(c, ())) >= TRIAL_BATCHES for c in (search.best, search.challenger)):
+        trial = 2 * (RUN_BATCHES - SETTLING_BATCHES) if search.overlapping else TRIAL_BATCHES
+        if all(len(search.timings.get(c, ())) >= trial for c in (search.best, search.challenger)):
             self._compare(batch_size, search)
 
     def _search(self, batch_size: int) -> _Search:
@@ -133,9 +156,10 @@ class MicrobatchTuner:
     def _compare(self, batch_size: int, search: _Search) -> None:
         """Take the challenger if it was measurably faster, and go on in that direction; if the first step up was
         no faster, try one down; else settle on the best."""
-        best, challenger = (statistics.median(search.timings[c]) for c in (search.best, search.challenger))
+        typical = statistics.fmean if search.overlapping else statistics.median
+        best, challenger = (typical(search.timings[c]) for c in (search.best, search.challenger))
         search.measured.update({search.best: best, search.challenger: challenger})
-        search.timings = {}
+        search.timings, search.recorded = {}, 0
         if challenger < (1 - MIN_GAIN) * best:
             search.best = search.challenger
         elif search.direction == 1 and len(search.measured) == 2:

@@ -299,10 +299,10 @@ class RemotePipeline(nn.Module):
         ended = time.perf_counter()
         with self._latest_lock:  # two backwards may end at once (finish_backward)
             earlier_started, earlier_ended = self._latest
-            since = max(started, earlier_ended) if earlier_started < started else started
+            overlapped = earlier_started < started < earlier_ended
             if started >= earlier_started:
                 self._latest = (started, ended)
-        self.tuner.record(batch_size, len(routes), ended - since)
+        self.tuner.record(batch_size, len(routes), ended - (earlier_ended if overlapped else started), overlapped)
         return grad_inputs
 
     def close(self) -> None:

@@ -62,6 +62,33 @@ def test_auto_microbatches_settle_on_the_fastest_count(compute, per_call, best):
     assert tuner.settled(8) is None and tuner.count(8) == 4  # each batch size is tuned on its own
 
 
+def tune_overlapping(tuner: MicrobatchTuner, batch_size: int, seconds: Callable[[int], float]) -> list[int]:
+    """As ``tune``, where each batch's forward overlaps the backward of the batch before (``overlap_batches``): the
+    next count is asked for before the batch before is recorded, and a change of count unsettles the two batches
+    after it (here: the first looks twice as fast, the second half as fast, as a slower count's tail hides a faster
+    one's start, then holds it up). Every 16th batch follows an optimizer step: it overlapped nothing, and waited."""
+    counts: list[int] = []
+    trailing = None
+    for batch in range(140):
+        count = tuner.count(batch_size)
+        if trailing is not None:
+            tuner.record(batch_size, *trailing)
+        run = next((i for i, c in enumerate(reversed(counts)) if c != count), len(counts))
+        after_step = batch % 16 == 0
+        factor = 3.0 if after_step else {0: 0.5, 1: 1.5}.get(run, 1.0)
+        trailing = (count, seconds(count) * factor, not after_step)
+        counts.append(count)
+    return counts
+
+
+@pytest.mark.parametrize("compute, per_call, best", [(6.0, 0.001, 16), (0.4, 0.01, 4), (0.04, 0.05, 1), (0.2, 0.05, 2)])
+def test_auto_microbatches_with_overlapping_batches_time_runs_of_one_count_once_settled(compute, per_call, best):
+    tuner = MicrobatchTuner("auto", num_stages=2)
+    counts = tune_overlapping(tuner, 16, pipeline_seconds(compute, per_call))
+    assert tuner.settled(16) == best and counts[-10:] == [best] * 10
+    assert counts[:19] == [4] * 7 + [8] * 6 + [4] * 6, counts  # in runs, once the first batch showed the overlap
+
+
 def test_auto_microbatches_keep_a_count_that_is_not_measurably_slower():
     tuner = MicrobatchTuner("auto", num_stages=2)
     counts = tune(tuner, 16, lambda count: 1.0 - 0.01 * count)  # 8 is 4% faster than 4: within the noise

@@ -282,7 +282,7 @@ def test_microbatch_tuning_times_an_overlapped_batch_from_the_end_of_the_backwar
     router = GatedRouter()
     pipeline = RemotePipeline(router, codec="none", microbatches=1)
     timed = []
-    pipeline.tuner.record = lambda size, count, seconds: timed.append(seconds)
+    pipeline.tuner.record = lambda size, count, seconds, overlapped: timed.append((seconds, overlapped))
     x = torch.randn(6, 5, requires_grad=True)
     try:
         pipeline.trail_backward = True
@@ -302,7 +302,7 @@ def test_microbatch_tuning_times_an_overlapped_batch_from_the_end_of_the_backwar
         pipeline.finish_backward()
         clock[0] = 20.0
         outputs[0].sum().backward()  # ends at 20
-        assert timed == [15.0, 5.0]
+        assert timed == [(15.0, False), (5.0, True)]
 
         clock[0] = 30.0
         first = pipeline(x * 1.0)
@@ -310,7 +310,7 @@ def test_microbatch_tuning_times_an_overlapped_batch_from_the_end_of_the_backwar
         second = pipeline(first * 1.0)
         clock[0] = 40.0
         second.sum().backward()  # both segments' backwards end at 40
-        assert timed[2:] == [8.0, 10.0]
+        assert timed[2:] == [(8.0, False), (10.0, False)]
     finally:
         router.gate.set()
         pipeline.close()
