@@ -217,19 +217,20 @@ def phase_control(phases: list[dict], path: Optional[str]) -> Any:
     """The trainer's callback that runs ``phases`` (lightning is imported in the peers only)."""
     import lightning as L
 
-    from lightning_swarm.client.microbatch_tuning import MicrobatchTuner
+    from lightning_swarm.client.microbatch_tuning import SETTLING_BATCHES, MicrobatchTuner
 
     class PhaseControl(L.Callback):
         """The phases, one after the other: each ``{"microbatches": 4 or "auto", "warmup": n, "max_warmup": n,
         "batches": n}`` sets the remote pipeline's microbatches (a fresh tuner), trains its warm-up batches ("auto":
-        also until its tuning settled, within ``max_warmup``), then its timed batches. After each batch it rewrites
+        also until its tuning settled and ``SETTLING_BATCHES`` batches used the count it settled on, within
+        ``max_warmup``: a change of count unsettles the pipeline), then its timed batches. After each batch it rewrites
         ``path`` with every batch's figures so far, so that a run stopped on time keeps them: its phase, whether it
         was timed, the microbatch count it used, the count "auto" settled on (None while tuning), its end
         (``time.time``), its loss, and the trainer's seconds in calls to each stage so far. After the last phase
         training stops."""
 
         def __init__(self) -> None:
-            self.index = self.warm = self.timed = self.count = 0
+            self.index = self.warm = self.timed = self.count = self.at_settled = 0
             self.warmed = self.current_timed = False
             self.records: list[dict] = []
 
@@ -255,12 +256,14 @@ def phase_control(phases: list[dict], path: Optional[str]) -> Any:
                 os.replace(path + ".tmp", path)
             if not self.current_timed:
                 self.warm += 1
+                self.at_settled = self.at_settled + 1 if settled is not None and self.count == settled else 0
+                ready = phase["microbatches"] != "auto" or self.at_settled >= SETTLING_BATCHES
                 limit = self.warm >= phase.get("max_warmup", phase["warmup"])
-                self.warmed = self.warm >= phase["warmup"] and (settled is not None or limit)
+                self.warmed = self.warm >= phase["warmup"] and (ready or limit)
                 return
             self.timed += 1
             if self.timed >= phase["batches"]:
-                self.index, self.warm, self.timed, self.warmed = self.index + 1, 0, 0, False
+                self.index, self.warm, self.timed, self.warmed, self.at_settled = self.index + 1, 0, 0, False, 0
                 trainer.should_stop = self.index == len(phases)
 
     return PhaseControl()

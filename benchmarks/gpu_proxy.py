@@ -149,23 +149,25 @@ def phase_control(phases: list[dict], device: emu.EmulatedDevice) -> Any:
     """The trainer's callback that runs the phases (lightning is imported in the peers only)."""
     import lightning as L
 
+    from lightning_swarm.client.microbatch_tuning import SETTLING_BATCHES, MicrobatchTuner
+
     class PhaseControl(L.Callback):
         """The trainer's phases: each sets the remote pipeline's microbatches (a fresh tuner), trains its warm-up
-        batches ("auto": until its tuning settled, within ``max_warmup``), then its timed batches; every batch is
+        batches ("auto": until its tuning settled and ``SETTLING_BATCHES`` batches used the count it settled on,
+        within ``max_warmup``), then its timed batches; every batch is
         recorded on the timeline (``BATCH``: extra = phase, key = batch number, key2 = 1 if timed, value =
         microbatches). After the last phase training stops."""
 
         def __init__(self, phases: list[dict], device: emu.EmulatedDevice) -> None:
             self.phases, self.device = phases, device
-            self.index = self.warm = self.timed = self.number = 0
+            self.index = self.warm = self.timed = self.number = self.count = self.at_settled = 0
             self.warmed, self.start, self.current_timed = False, 0.0, False
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            from lightning_swarm.client.microbatch_tuning import MicrobatchTuner
-
             remote = trainer.strategy._remote
             if self.warm == 0 and self.timed == 0:  # a phase begins
                 remote.tuner = MicrobatchTuner(self.phases[self.index]["microbatches"], remote.num_stages)
+            self.count = remote.tuner.count(len(batch[0]))  # what this batch's pipeline uses
             self.current_timed = self.warmed
             self.start = time.monotonic()
 
@@ -186,12 +188,13 @@ def phase_control(phases: list[dict], device: emu.EmulatedDevice) -> Any:
             self.number += 1
             if not self.current_timed:
                 self.warm += 1
-                settled = phase["microbatches"] != "auto" or remote.tuner.settled(size) is not None
-                self.warmed = self.warm >= phase["warmup"] and (settled or self.warm >= phase.get("max_warmup", 0))
+                self.at_settled = self.at_settled + 1 if count is not None and self.count == count else 0
+                ready = phase["microbatches"] != "auto" or self.at_settled >= SETTLING_BATCHES
+                self.warmed = self.warm >= phase["warmup"] and (ready or self.warm >= phase.get("max_warmup", 0))
                 return
             self.timed += 1
             if self.timed >= phase["batches"]:
-                self.index, self.warm, self.timed, self.warmed = self.index + 1, 0, 0, False
+                self.index, self.warm, self.timed, self.warmed, self.at_settled = self.index + 1, 0, 0, False, 0
                 if self.index == len(self.phases):
                     trainer.should_stop = True
 
