@@ -71,7 +71,7 @@ class _Search:
     direction: int
     timings: dict[int, list[float]] = field(default_factory=dict)
     seen: dict[int, int] = field(default_factory=dict)  # batches run at each count, warm-up included
-    measured: dict[int, float] = field(default_factory=dict)  # each count's last median, for the log
+    measured: dict[int, float] = field(default_factory=dict)  # each count's last median (or mean), for the log
     recorded: int = 0  # batches recorded in this comparison, timed or not
     last: Optional[int] = None  # the count of the batch recorded last
     run: int = 0  # batches of that count recorded in a row
@@ -172,7 +172,7 @@ class MicrobatchTuner:
         if search.challenger is None:
             tried = ", ".join(f"{count}: {seconds:.3g}" for count, seconds in sorted(search.measured.items()))
             log.info(
-                "Microbatches: %d per batch of %d samples (median seconds per batch by count: %s)",
+                "Microbatches: %d per batch of %d samples (seconds per batch by count: %s)",
                 search.best,
                 batch_size,
                 tried,
