@@ -154,9 +154,8 @@ def phase_control(phases: list[dict], device: emu.EmulatedDevice) -> Any:
     class PhaseControl(L.Callback):
         """The trainer's phases: each sets the remote pipeline's microbatches (a fresh tuner), trains its warm-up
         batches ("auto": until its tuning settled and ``SETTLING_BATCHES`` batches used the count it settled on,
-        within ``max_warmup``), then its timed batches; every batch is
-        recorded on the timeline (``BATCH``: extra = phase, key = batch number, key2 = 1 if timed, value =
-        microbatches). After the last phase training stops."""
+        within ``max_warmup``), then its timed batches; every batch is recorded on the timeline (``BATCH``: extra =
+        phase, key = batch number, key2 = 1 if timed, value = microbatches). After the last phase training stops."""
 
         def __init__(self, phases: list[dict], device: emu.EmulatedDevice) -> None:
             self.phases, self.device = phases, device
