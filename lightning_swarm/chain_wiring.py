@@ -21,7 +21,10 @@ A chained request's metadata carries, besides what any request does:
   caller, not waiting past its own timeout, blames no innocent peer.
 
 Its reply is a :class:`Receipt`. A collect request is a forward with ``{"collect": parcel}`` and no tensor; its
-reply is the parcel as the parking hop encoded it.
+reply is the parcel as the parking hop encoded it. With ``{"wait": seconds}`` it waits there for the parcel to be
+parked: a trainer that knows which peer ends the chain (a backward's, the peer that kept the first hop's forward)
+sends it with the chained request, so the parcel comes back as soon as it is parked, while the receipt is still on
+its way back along the chain.
 """
 
 from __future__ import annotations
@@ -136,6 +139,14 @@ def collect_key(metadata: dict) -> Optional[str]:
     if key is not None and not _is_key(key):
         raise SwarmRequestError(f"a parcel key is a string of 1 to {MAX_KEY} characters")
     return key
+
+
+def collect_wait(metadata: dict) -> float:
+    """Seconds a collect request waits for its parcel to be parked (0: it must be there already)."""
+    wait = metadata.get("wait", 0.0)
+    if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= MAX_BUDGET:
+        raise SwarmRequestError(f"a collect request waits a number of seconds in [0, {MAX_BUDGET:g}]")
+    return float(wait)
 
 
 def _is_failover(entry: Any) -> bool:

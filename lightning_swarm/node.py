@@ -7,6 +7,7 @@ unreachable peer surfaces as an exception instead of a hang.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import re
@@ -212,12 +213,16 @@ class SwarmNode:
 
     def run(self, coro: Awaitable[T], timeout: Optional[float] = None) -> T:
         """Run a coroutine on this node's RPC event loop from synchronous code and wait for it, with a timeout."""
-        future = asyncio.run_coroutine_threadsafe(coro, self._rpc_loop())
+        future = self.submit(coro)
         try:
             return future.result(timeout=timeout or self.timeout)
         except TimeoutError:
             future.cancel()
             raise
+
+    def submit(self, coro: Awaitable[T]) -> concurrent.futures.Future[T]:
+        """Start a coroutine on this node's RPC event loop from synchronous code, without waiting for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._rpc_loop())
 
     def _rpc_loop(self) -> asyncio.AbstractEventLoop:
         """The event loop this node's RPC runs on (the P2P replica, stage handlers, the direct path), started at

@@ -52,13 +52,14 @@ from lightning_swarm import block_calls, compression, protocol
 from lightning_swarm.block_calls import Call, MetaBlocks
 from lightning_swarm.chain_wiring import Receipt, ReceiptCheck
 from lightning_swarm.client.microbatch_tuning import Microbatches, MicrobatchTuner
-from lightning_swarm.client.routing import ReplyCheck, StageRouter
+from lightning_swarm.client.routing import PendingCall, ReplyCheck, StageRouter
 from lightning_swarm.errors import (
     CALLERS_FAULT,
     ActivationsLostError,
     BadReplyError,
     ChainBrokenError,
     NonFiniteInputError,
+    StageBusyError,
     StageUnavailableError,
 )
 
@@ -483,42 +484,60 @@ class RemotePipeline(nn.Module):
         Returns ``(-1, input gradient, decoded, "")`` if it got there; else the hop whose peer could not take it,
         the gradient parked for that hop and why (``""``: that peer dropped the graph). A parked gradient whose
         peer left before the trainer collected it is lost with the graphs the chain used up on its way: then it
-        returns ``hop`` and ``grad`` again, to recompute from there."""
+        returns ``hop`` and ``grad`` again, to recompute from there. The first hop's peer is asked for the parcel
+        as the chain starts (:meth:`_wait_for_parcel`)."""
         onward = [{"stage": route.stages[i], "peer": route.peers[i], "kept": route.keys[i]} for i in range(hop)][::-1]
         metadata = {"codec": self.codec, "train": route.train, "kept": route.keys[hop], **self._chained(onward)}
         if loss_scale is not None:
             metadata["loss_scale"] = loss_scale
         receipt, batch, stage, peer = ReceiptCheck(), int(grad.size[0]), route.stages[hop], route.peers[hop]
+        waiting = self._wait_for_parcel(route.stages[0], route.peers[0], metadata["parcel"])
         try:
-            self.router.call_peer(stage, peer, "backward", [grad], metadata, batch, receipt)
-        except CALLERS_FAULT:
-            raise
-        except ActivationsLostError:
-            return hop, grad, None, ""
-        except Exception as e:
-            log.warning("Stage %d: backward on %s failed (%r): recomputing on another peer", stage, peer, e)
-            return hop, grad, None, e
-        self._report(receipt.receipt)
-        reached = hop - len(receipt.receipt.peers)  # the hop whose peer holds the parcel
-        expected = route.peers[max(reached, 0) : hop][::-1]
-        if (
-            receipt.receipt.peers != expected
-            or reached < int(receipt.receipt.stopped)
-            or (reached > 0 and not receipt.receipt.stopped)
-        ):
-            raise BadReplyError(f"a receipt naming peers {receipt.receipt.peers} from hop {hop}")
-        if receipt.receipt.stopped:
-            parked, failed = self._collect_parked(hop, route, reached, metadata["parcel"], ReplyCheck(batch))
-            if parked is None:
-                return hop, grad, None, failed
-            return reached - 1, parked, None, receipt.receipt.error
-        first = route.inputs[0]
-        check = _check_at(landing, batch, first.size, compression.decoded_dtype(first), loss_scale is None)
-        parked, failed = self._collect_parked(hop, route, 0, metadata["parcel"], check)
-        return (-1, parked, check.decoded, "") if parked is not None else (hop, grad, None, failed)
+            try:
+                self.router.call_peer(stage, peer, "backward", [grad], metadata, batch, receipt)
+            except CALLERS_FAULT:
+                raise
+            except ActivationsLostError:
+                return hop, grad, None, ""
+            except Exception as e:
+                log.warning("Stage %d: backward on %s failed (%r): recomputing on another peer", stage, peer, e)
+                return hop, grad, None, e
+            self._report(receipt.receipt)
+            reached = hop - len(receipt.receipt.peers)  # the hop whose peer holds the parcel
+            expected = route.peers[max(reached, 0) : hop][::-1]
+            if (
+                receipt.receipt.peers != expected
+                or reached < int(receipt.receipt.stopped)
+                or (reached > 0 and not receipt.receipt.stopped)
+            ):
+                raise BadReplyError(f"a receipt naming peers {receipt.receipt.peers} from hop {hop}")
+            if receipt.receipt.stopped:
+                parked, failed = self._collect_parked(hop, route, reached, metadata["parcel"], ReplyCheck(batch))
+                if parked is None:
+                    return hop, grad, None, failed
+                return reached - 1, parked, None, receipt.receipt.error
+            first = route.inputs[0]
+            check = _check_at(landing, batch, first.size, compression.decoded_dtype(first), loss_scale is None)
+            parked, failed = self._collect_parked(hop, route, 0, metadata["parcel"], check, waiting)
+            return (-1, parked, check.decoded, "") if parked is not None else (hop, grad, None, failed)
+        finally:
+            waiting.cancel()  # a no-op once its parcel came; else the chain stopped before the first hop
+
+    def _wait_for_parcel(self, stage: int, peer: str, parcel: str) -> PendingCall:
+        """A collect of ``parcel`` from ``peer`` that waits there until the chain parks it, sent with the chained
+        request: the parcel comes back while the receipt is still on its way along the chain."""
+        timeout = self.router.request_timeout
+        collect = {"collect": parcel, "wait": timeout}
+        return self.router.start_call(stage, peer, "forward", [], collect, 0, timeout + 1.0, timed=False)
 
     def _collect_parked(
-        self, hop: int, route: Route, reached: int, parcel: str, check: ReplyCheck
+        self,
+        hop: int,
+        route: Route,
+        reached: int,
+        parcel: str,
+        check: ReplyCheck,
+        waiting: Optional[PendingCall] = None,
     ) -> tuple[Optional[runtime_pb2.Tensor], BaseException | str]:
         """The gradient that the chain from ``hop`` parked on the peer of hop ``reached``, and ``""``; or None and
         why the chain is recomputed from ``hop`` (see :meth:`_chain_backward`). If that peer is ``hop``'s own, its
@@ -527,7 +546,7 @@ class RemotePipeline(nn.Module):
         holder's hop calls it again, which counts its failure (not counted here) and reports the failover."""
         holder = route.stages[reached], route.peers[reached]
         try:
-            return self._collect(*holder, parcel, check, count=reached == hop), ""
+            return self._collect(*holder, parcel, check, count=reached == hop, waiting=waiting), ""
         except CALLERS_FAULT:
             raise
         except Exception as e:
@@ -537,9 +556,24 @@ class RemotePipeline(nn.Module):
             log.warning("Stage %d: collecting a gradient from %s failed (%r): recomputing from hop %d", *holder, e, hop)
             return None, ""
 
-    def _collect(self, stage: int, peer: str, parcel: str, check: ReplyCheck, count: bool = True) -> runtime_pb2.Tensor:
+    def _collect(
+        self,
+        stage: int,
+        peer: str,
+        parcel: str,
+        check: ReplyCheck,
+        count: bool = True,
+        waiting: Optional[PendingCall] = None,
+    ) -> runtime_pb2.Tensor:
         """The parcel a chain parked on ``peer`` (of ``stage``), once ``check`` passed it; a failure is counted
-        unless ``count`` is False (see :meth:`RemotePipeline._chain_backward`)."""
+        unless ``count`` is False (see :meth:`RemotePipeline._chain_backward`). ``waiting``: that parcel's collect
+        already sent (:meth:`_wait_for_parcel`); asked for again if it came back without it (its wait ran out, or
+        the peer let it wait no longer)."""
+        if waiting is not None:
+            try:
+                return self.router.finish(waiting, check, count)[0]
+            except (ActivationsLostError, StageBusyError):
+                pass
         return self.router.call_peer(stage, peer, "forward", [], {"collect": parcel}, check.batch, check, count)[0]
 
     def _chained(self, onward: list[dict]) -> dict:

@@ -26,6 +26,7 @@ otherwise, or when no direct connection can be made (remembered for ``UNREACHABL
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import random
 import threading
@@ -162,6 +163,57 @@ class RouterStats:
     def copy(self) -> RouterStats:
         """These counters as they are now, dicts included, for a reader on another thread than the router's."""
         return replace(self, seconds=dict(self.seconds), chosen=dict(self.chosen), failed=dict(self.failed))
+
+
+class PendingCall:
+    """A call to one peer under way (:meth:`StageRouter.start_call`): its reply once, or given up."""
+
+    def __init__(
+        self,
+        router: StageRouter,
+        stage: int,
+        peer: str,
+        load: Optional[PeerLoad],
+        batch: int,
+        future: concurrent.futures.Future,
+        timeout: float,
+        timed: bool = True,
+    ) -> None:
+        self.stage, self.peer, self.timeout, self.timed = stage, peer, timeout, timed
+        self._router, self._load, self._batch, self._future = router, load, batch, future
+        self._start = time.perf_counter()
+        self._settled = False
+
+    def result(self) -> Reply:
+        """The reply, waited for up to the call's timeout (the request's, and a failed direct try's)."""
+        try:
+            reply = self._future.result(self.timeout)
+        except concurrent.futures.TimeoutError:
+            self._future.cancel()
+            raise
+        except P2PHandlerError as e:
+            raise _remote_error(e) from None
+        finally:
+            self._settle()
+        router, elapsed = self._router, time.perf_counter() - self._start
+        with router._lock:
+            router.stats.bytes_received += protocol.payload_bytes(reply)
+            if self.timed:
+                router.stats.seconds[self.stage] = router.stats.seconds.get(self.stage, 0.0) + elapsed
+            if self._load is not None:
+                self._load.failures = 0
+        return reply
+
+    def cancel(self) -> None:
+        """Give the call up: the peer's answer, if it comes, is dropped."""
+        self._future.cancel()
+        self._settle()
+
+    def _settle(self) -> None:
+        with self._router._lock:
+            if not self._settled and self._load is not None:
+                self._load.in_flight -= self._batch
+            self._settled = True
 
 
 class StageRouter:
@@ -435,31 +487,22 @@ class StageRouter:
         failure counted in :attr:`stats` unless ``count`` is False (a stage server handing on a trainer's
         microbatch: the trainer counts it, from the receipt). ``timeout``: seconds to wait for the answer, by default
         ``request_timeout``; a chained request tells the peer, which must answer within it (its ``budget``)."""
-        try:
-            reply = self._call_peer(stage, peer, method, tensors, metadata, batch, timeout or self.request_timeout)
-            if check is not None:
-                check(reply)
-            return reply
-        except (*CALLERS_FAULT, ActivationsLostError, StageBusyError, ChainBrokenError):
-            raise
-        except Exception as e:
-            self.blame(stage, peer, repr(e), count)
-            raise
+        return self.finish(self.start_call(stage, peer, method, tensors, metadata, batch, timeout), check, count)
 
-    def count_failed(self, peer: str) -> None:
-        """Count a failed call to ``peer`` (this router's, or one a stage server reported in a receipt)."""
-        self.stats.failed[peer] = self.stats.failed.get(peer, 0) + 1
-
-    def blame(self, stage: int, peer: str, why: str, count: bool = True) -> None:
-        """Ban ``peer`` (of ``stage``) for a while, and count its failure unless ``count`` is False."""
-        if count:
-            self.count_failed(peer)
-        self._ban(stage, peer)
-        log.warning("Stage %d: peer %s failed (%s)", stage, peer, why)
-
-    def _call_peer(
-        self, stage: int, peer: str, method: str, tensors: list, metadata: dict, batch: int, timeout: float
-    ) -> list[runtime_pb2.Tensor]:
+    def start_call(
+        self,
+        stage: int,
+        peer: str,
+        method: str,
+        tensors: list,
+        metadata: dict,
+        batch: int,
+        timeout: Optional[float] = None,
+        timed: bool = True,
+    ) -> PendingCall:
+        """:meth:`call_peer`'s request, sent without waiting for its answer: :meth:`finish` waits for it, or
+        :meth:`PendingCall.cancel` gives it up (a call whose answer turned out not to be needed). Unless ``timed``,
+        its time is not counted as time in calls to the stage (a call that waits beside another one)."""
         if self.direct and peer not in self._peers[stage]:
             # a peer named by someone else (the peer that kept a forward, a backward hand-on's next hop): its
             # record, unless read within the refresh period, gives its direct address (without it: libp2p)
@@ -472,25 +515,35 @@ class StageRouter:
             self.stats.chosen[peer] = self.stats.chosen.get(peer, 0) + 1
             self.stats.bytes_sent += protocol.payload_bytes(tensors)
             self.stats.raw_bytes_sent += sum(compression.raw_nbytes(t) for t in tensors)
-        start = time.perf_counter()
+        timeout = timeout or self.request_timeout
+        if chain_wiring.is_chained(metadata):
+            metadata = metadata | {"budget": timeout}
+        future = self.node.submit(self._request(stage, peer, method, tensors, metadata, timeout))
+        return PendingCall(self, stage, peer, load, batch, future, timeout + 1 + 2 * CONNECT_TIMEOUT, timed)
+
+    def finish(self, call: PendingCall, check: Optional[Callable[[Reply], None]] = None, count: bool = True) -> Reply:
+        """The answer to a call :meth:`start_call` sent, vetted and failed as :meth:`call_peer` says."""
         try:
-            if chain_wiring.is_chained(metadata):
-                metadata = metadata | {"budget": timeout}
-            request = self._request(stage, peer, method, tensors, metadata, timeout)
-            reply = self.node.run(request, timeout + 1 + 2 * CONNECT_TIMEOUT)  # + a failed direct try
-        except P2PHandlerError as e:
-            raise _remote_error(e) from None
-        finally:
-            with self._lock:
-                if load is not None:
-                    load.in_flight -= batch
-        elapsed = time.perf_counter() - start
-        with self._lock:
-            self.stats.bytes_received += protocol.payload_bytes(reply)
-            self.stats.seconds[stage] = self.stats.seconds.get(stage, 0.0) + elapsed
-            if load is not None:
-                load.failures = 0
-        return reply
+            reply = call.result()
+            if check is not None:
+                check(reply)
+            return reply
+        except (*CALLERS_FAULT, ActivationsLostError, StageBusyError, ChainBrokenError):
+            raise
+        except Exception as e:
+            self.blame(call.stage, call.peer, repr(e), count)
+            raise
+
+    def count_failed(self, peer: str) -> None:
+        """Count a failed call to ``peer`` (this router's, or one a stage server reported in a receipt)."""
+        self.stats.failed[peer] = self.stats.failed.get(peer, 0) + 1
+
+    def blame(self, stage: int, peer: str, why: str, count: bool = True) -> None:
+        """Ban ``peer`` (of ``stage``) for a while, and count its failure unless ``count`` is False."""
+        if count:
+            self.count_failed(peer)
+        self._ban(stage, peer)
+        log.warning("Stage %d: peer %s failed (%s)", stage, peer, why)
 
     async def _request(
         self, stage: int, peer: str, method: str, tensors: list, metadata: dict, timeout: float

@@ -17,11 +17,12 @@ The handing on runs on threads of its own (routers block), so the event loop goe
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 from lightning_swarm import compression
@@ -39,16 +40,19 @@ from lightning_swarm.stage_api import Routes
 log = logging.getLogger(__name__)
 
 MAX_HANDING_ON = 64  # chained requests handed on at once; more wait for a thread
+MAX_WAITING = 1024  # collect requests waiting for their parcels at once; more are answered at once
 PARCEL_TTL = 60.0  # seconds a parked output waits for the trainer to collect it
 PASSED_ON = ("codec", "train", "origin", "parcel", "loss_scale")  # what every hop's request repeats
 
 
 class Parcels:
-    """Outputs parked for their trainer, bounded by ``max_bytes`` (the oldest go first) and ``ttl`` seconds."""
+    """Outputs parked for their trainer, bounded by ``max_bytes`` (the oldest go first) and ``ttl`` seconds. Up to
+    ``max_waiting`` collectors at once may wait for a parcel not parked yet (:meth:`take_when_parked`)."""
 
-    def __init__(self, max_bytes: int, ttl: float = PARCEL_TTL) -> None:
-        self.max_bytes, self.ttl, self.nbytes = max_bytes, ttl, 0
+    def __init__(self, max_bytes: int, ttl: float = PARCEL_TTL, max_waiting: int = MAX_WAITING) -> None:
+        self.max_bytes, self.ttl, self.max_waiting, self.nbytes = max_bytes, ttl, max_waiting, 0
         self._entries: OrderedDict[str, tuple[float, compression.WireTensor]] = OrderedDict()
+        self._waiting: dict[str, Future] = {}  # parcel key -> set once it is parked
         self._lock = threading.Lock()
 
     def park(self, key: str, tensor: compression.WireTensor) -> None:
@@ -61,6 +65,30 @@ class Parcels:
                 self.nbytes > self.max_bytes or now - next(iter(self._entries.values()))[0] > self.ttl
             ):
                 self._drop(self._entries.popitem(last=False)[1])
+            waiter = self._waiting.pop(key, None)
+        if waiter is not None:
+            waiter.set_result(None)
+
+    async def take_when_parked(self, key: str, wait: float) -> compression.WireTensor:
+        """The parcel under ``key`` once it is parked, waiting up to ``wait`` seconds (at most the parcels' ``ttl``)
+        for it; as :meth:`take` once the wait is over, or at once if ``max_waiting`` collectors already wait or one
+        waits for this key."""
+        with self._lock:
+            waits = wait > 0 and key not in self._entries and key not in self._waiting
+            if waits and len(self._waiting) < self.max_waiting:
+                waiter = self._waiting[key] = Future()
+            else:
+                waiter = None
+        if waiter is not None:
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(waiter), min(wait, self.ttl))
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                with self._lock:
+                    if self._waiting.get(key) is waiter:
+                        del self._waiting[key]
+        return self.take(key)
 
     def take(self, key: str) -> compression.WireTensor:
         """The parcel under ``key``, once; :class:`ActivationsLostError` if there is none (expired, or taken)."""
@@ -73,6 +101,11 @@ class Parcels:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def waiting(self) -> int:
+        """Collect requests waiting for their parcels now."""
+        return len(self._waiting)
 
     def _drop(self, entry: Optional[tuple[float, compression.WireTensor]]) -> None:
         if entry is not None:

@@ -271,7 +271,7 @@ class StageServer(StageService):
             if parcel is not None:
                 if kind != "forward" or len(request.tensors):
                     raise SwarmRequestError("a parcel is collected by a forward request without tensors")
-                return [self.onward.parcels.take(parcel)]
+                return [await self.onward.parcels.take_when_parked(parcel, chain_wiring.collect_wait(metadata))]
             codec = str(metadata.get("codec", "none"))
             if codec not in compression.CODECS:
                 raise SwarmRequestError(f"unknown compression {codec!r}")

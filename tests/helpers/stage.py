@@ -78,14 +78,25 @@ class InProcessRouter:
 
 
 class InProcessNode:
-    """Stands in for a SwarmNode: runs the router's coroutines to completion in the calling thread."""
+    """Stands in for a SwarmNode: runs the router's coroutines to completion in the calling thread, and those it
+    sends without waiting (a collect that waits for its parcel) on an event loop of its own."""
 
     policy = None
     peer_id = "trainer"
+    _loop = None
+    _lock = threading.Lock()
 
     @staticmethod
     def run(coroutine, timeout=None):
         return asyncio.run(asyncio.wait_for(coroutine, timeout))
+
+    @classmethod
+    def submit(cls, coroutine):
+        with cls._lock:
+            if cls._loop is None:
+                cls._loop = asyncio.new_event_loop()
+                threading.Thread(target=cls._loop.run_forever, name="in-process-node", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(coroutine, cls._loop)
 
 
 class PeersRouter(StageRouter):

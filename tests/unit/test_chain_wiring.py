@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
+import time
 
 import pytest
 import torch
@@ -14,9 +16,16 @@ from helpers.stage import PeersRouter
 
 from lightning_swarm import compression, protocol
 from lightning_swarm.block_calls import MetaBlocks
-from lightning_swarm.chain_wiring import Receipt, onward_hops
+from lightning_swarm.chain_wiring import Receipt, collect_wait, onward_hops
 from lightning_swarm.client.remote_pipeline import RemotePipeline
-from lightning_swarm.errors import BadReplyError, NotServingError, StageFailedError, SwarmRequestError
+from lightning_swarm.errors import (
+    ActivationsLostError,
+    BadReplyError,
+    NotServingError,
+    StageFailedError,
+    SwarmRequestError,
+)
+from lightning_swarm.server.onward import Parcels
 from lightning_swarm.server.stage_server import StageServer
 
 CPU = torch.device("cpu")
@@ -377,3 +386,97 @@ def test_a_receipt_is_checked_and_onward_hops_are_validated():
             onward_hops(bad, "forward")
     with pytest.raises(SwarmRequestError):  # a backward hop names the peer that kept the forward
         onward_hops({**good, "onward": [{"stage": 1, "kept": "a"}]}, "backward")
+
+
+RELEASE = threading.Event()  # lets HeldBackward's backward go on (a module-level event: servers copy modules)
+
+
+class _HeldBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        assert RELEASE.wait(60), "never released"
+        return grad
+
+
+class HeldBackward(torch.nn.Module):
+    """``module``, whose backward waits until :data:`RELEASE` is set."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _HeldBackward.apply(self.module(x))
+
+
+def wait_for(condition, seconds: float = 60.0) -> None:
+    end = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < end, "the condition never held"
+        time.sleep(0.01)
+
+
+def test_the_input_gradient_is_asked_for_as_the_chained_backward_starts_and_comes_once_parked():
+    """The trainer's collect of the input gradient waits at the first stage's peer while the chained backward is
+    still on its way (here held in stage 0's backward): so the gradient comes back as it is parked, not after the
+    receipt went back along the chain and another request came. One collect per microbatch, no waiter left, and the
+    input gradient is exact."""
+    RELEASE.clear()
+    first = torch.nn.Linear(8, 8)
+    servers = [stage(0, HeldBackward(first)), stage(1), stage(2)]
+    modules = [first, servers[1].module, servers[2].module]
+    x = torch.randn(4, 8)
+    router = swarm([{f"p{k}": s} for k, s in enumerate(servers)])
+    try:
+        x_ = x.clone().requires_grad_()
+        y = pipeline(router, modules, microbatches=1)(x_)
+        calls = router.stats.calls
+        backward = threading.Thread(target=lambda: y.square().sum().backward())
+        backward.start()
+        wait_for(lambda: servers[0].onward.parcels.waiting == 1)  # the collect came before the gradient
+        assert backward.is_alive() and len(servers[0].onward.parcels) == 0
+        RELEASE.set()
+        backward.join(60)
+        assert not backward.is_alive()
+        torch.testing.assert_close(x_.grad, plain(modules, x, microbatches=1)[1], rtol=0, atol=0)
+        assert router.stats.calls - calls == 2  # the backward to stage 2, and the one collect from stage 0
+        assert servers[0].onward.parcels.waiting == len(servers[0].onward.parcels) == 0
+        assert router.stats.recomputed == router.stats.failovers == 0
+    finally:
+        RELEASE.set()
+        shutdown(router)
+
+
+def test_a_collect_waits_for_its_parcel_up_to_its_wait_and_a_bounded_number_wait():
+    """A collect that waits gets the parcel parked after it came; one whose wait runs out finds none (as a collect
+    without a wait does); past ``max_waiting`` waiting collects, or for a key already waited for, a collect is
+    answered at once; no waiter is left behind; a wait that is not a number of seconds is refused."""
+    parcel = compression.encode(torch.ones(2, 3), "none")
+
+    async def scenario() -> None:
+        parcels = Parcels(2**20, max_waiting=1)
+        waited = asyncio.create_task(parcels.take_when_parked("a", 30.0))
+        while not parcels.waiting:
+            await asyncio.sleep(0.001)
+        with pytest.raises(ActivationsLostError):  # the only place to wait is taken
+            await parcels.take_when_parked("b", 30.0)
+        with pytest.raises(ActivationsLostError):  # so is key "a"'s
+            await parcels.take_when_parked("a", 30.0)
+        assert not waited.done()
+        threading.Thread(target=parcels.park, args=("a", parcel)).start()  # parked by a hand-on thread
+        assert await asyncio.wait_for(waited, 30.0) is parcel
+        with pytest.raises(ActivationsLostError):
+            await parcels.take_when_parked("c", 0.05)  # never parked: its wait runs out
+        parcels.park("d", parcel)
+        assert await parcels.take_when_parked("d", 0.0) is parcel
+        assert parcels.waiting == len(parcels) == 0
+
+    asyncio.run(scenario())
+    assert collect_wait({"collect": "k"}) == 0.0 and collect_wait({"collect": "k", "wait": 5}) == 5.0
+    for bad in (-1.0, "5", True, 1e9):
+        with pytest.raises(SwarmRequestError):
+            collect_wait({"collect": "k", "wait": bad})

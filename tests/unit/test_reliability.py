@@ -223,8 +223,11 @@ def test_errors_cross_both_paths_by_name():
     conversion, as StageRouter.call_peer raises them: the caller's mistakes (a refused request, a forward no longer
     kept), a stage it no longer serves, and a failure on the peer's side."""
 
+    def submit(coroutine):
+        return RemoteExpertWorker.run_coroutine(coroutine, return_future=True)
+
     def run(coroutine, timeout=30.0):
-        return RemoteExpertWorker.run_coroutine(coroutine, return_future=True).result(timeout)
+        return submit(coroutine).result(timeout)
 
     server_p2p = run(P2P.create(host_maddrs=[LOOPBACK]))
     caller_p2p = run(P2P.create(initial_peers=run(server_p2p.get_visible_maddrs()), host_maddrs=[LOOPBACK]))
@@ -234,7 +237,7 @@ def test_errors_cross_both_paths_by_name():
     port = run(direct.start(server_p2p))
     run(stage.add_p2p_handlers(server_p2p, namespace="run"))
     server = str(server_p2p.peer_id)
-    node = SimpleNamespace(p2p=caller_p2p, peer_id=caller_p2p.peer_id, policy=None, run=run)
+    node = SimpleNamespace(p2p=caller_p2p, peer_id=caller_p2p.peer_id, policy=None, run=run, submit=submit)
     codec = {"codec": "none"}
     streamed = compression.encode(torch.randn(4000, 200), "none")  # 3.2 MB: a stream on libp2p
     assert protocol.needs_stream([compression.to_message(streamed)])

@@ -3,7 +3,6 @@ from the run), and the router's counters it hands out."""
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import json
 import threading
@@ -13,7 +12,7 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from helpers.stage import ask, blocks
+from helpers.stage import InProcessNode, ask, blocks
 from torch import nn
 
 import lightning_swarm
@@ -153,7 +152,7 @@ def test_router_stats_are_a_copy_of_the_routers_counters():
     real router's counters after a call through it, unchanged in the copy by the calls that follow."""
     strategy = SwarmStrategy()
     assert strategy.router_stats == RouterStats()  # before fit: no router
-    node = SimpleNamespace(peer_id="me", policy=None, run=lambda coroutine, timeout=None: asyncio.run(coroutine))
+    node = SimpleNamespace(peer_id="me", policy=None, run=InProcessNode.run, submit=InProcessNode.submit)
     router = StageRouter(node, "run", 1, refresh_period=float("inf"))
     router._peers[0] = {"me": PeerLoad(PeerRecord("me", 0, PeerState.SERVING, 1.0, 0))}
     router.local_server = StageServer("run", 0, nn.Linear(4, 4), torch.device("cpu"))
