@@ -750,7 +750,7 @@ def instrument(device: Union[EmulatedDevice, HostRecorder]) -> None:
     """Records of what the swarm does, on the timeline (wrappers that call the real methods unchanged)."""
     from lightning_swarm import protocol
     from lightning_swarm.client.remote_pipeline import RemotePipeline
-    from lightning_swarm.client.routing import StageRouter
+    from lightning_swarm.client.routing import PendingCall, StageRouter
     from lightning_swarm.optimizer import SwarmOptimizer
     from lightning_swarm.server.backend import StageBackend
     from lightning_swarm.server.runtime import StageRuntime
@@ -828,7 +828,7 @@ def instrument(device: Union[EmulatedDevice, HostRecorder]) -> None:
         RemotePipeline.run_forward,
         RemotePipeline.run_backward,
     )
-    call_peer, raw_call = StageRouter.call_peer, StageRouter._call_peer
+    start_call, result, finish = StageRouter.start_call, PendingCall.result, StageRouter.finish
 
     def routed(self, *args: Any, **kwargs: Any) -> Any:
         decoded, route = forward_route(self, *args, **kwargs)
@@ -851,24 +851,29 @@ def instrument(device: Union[EmulatedDevice, HostRecorder]) -> None:
         finally:
             timeline.record(start, now(), proc, PIPE_BACKWARD)
 
-    def called(self, stage: int, peer: str, method: str, tensors: list, metadata: dict, *args: Any) -> Any:
+    def started(self, stage: int, peer: str, method: str, tensors: list, metadata: dict, *args: Any, **kw: Any) -> Any:
         start = now()
-        try:
-            return raw_call(self, stage, peer, method, tensors, metadata, *args)
-        finally:
-            key = request_key(metadata, method)
-            timeline.record(start, now(), proc, CALL, key, value=stage, extra=REQUEST_KINDS.get(method, 0))
+        call = start_call(self, stage, peer, method, tensors, metadata, *args, **kw)
+        call.stamp = start, request_key(metadata, method), stage, REQUEST_KINDS.get(method, 0)
+        return call
 
-    def checked(self, stage: int, peer: str, method: str, tensors: list, metadata: dict, *args: Any, **kw: Any) -> Any:
-        start = now()
+    def answered(self) -> Any:
         try:
-            return call_peer(self, stage, peer, method, tensors, metadata, *args, **kw)
+            return result(self)
         finally:
-            key = request_key(metadata, method)
-            timeline.record(start, now(), proc, CHECK, key, value=stage, extra=REQUEST_KINDS.get(method, 0))
+            start, key, stage, kind = self.stamp
+            timeline.record(start, now(), proc, CALL, key, value=stage, extra=kind)
+
+    def checked(self, call: Any, *args: Any, **kw: Any) -> Any:
+        try:
+            return finish(self, call, *args, **kw)
+        finally:
+            start, key, stage, kind = call.stamp
+            timeline.record(start, now(), proc, CHECK, key, value=stage, extra=kind)
 
     RemotePipeline._forward_route = routed
     RemotePipeline.run_forward = ran_forward
     RemotePipeline.run_backward = ran_backward
-    StageRouter._call_peer = called
-    StageRouter.call_peer = checked
+    StageRouter.start_call = started
+    PendingCall.result = answered
+    StageRouter.finish = checked

@@ -175,21 +175,21 @@ class PendingCall:
         peer: str,
         load: Optional[PeerLoad],
         batch: int,
-        future: concurrent.futures.Future,
         timeout: float,
         timed: bool = True,
     ) -> None:
         self.stage, self.peer, self.timeout, self.timed = stage, peer, timeout, timed
-        self._router, self._load, self._batch, self._future = router, load, batch, future
+        self.future: Optional[concurrent.futures.Future] = None  # the request on the RPC event loop, once sent
+        self._router, self._load, self._batch = router, load, batch
         self._start = time.perf_counter()
         self._settled = False
 
     def result(self) -> Reply:
         """The reply, waited for up to the call's timeout (the request's, and a failed direct try's)."""
         try:
-            reply = self._future.result(self.timeout)
+            reply = self.future.result(self.timeout)
         except concurrent.futures.TimeoutError:
-            self._future.cancel()
+            self.future.cancel()
             raise
         except P2PHandlerError as e:
             raise _remote_error(e) from None
@@ -206,7 +206,8 @@ class PendingCall:
 
     def cancel(self) -> None:
         """Give the call up: the peer's answer, if it comes, is dropped."""
-        self._future.cancel()
+        if self.future is not None:
+            self.future.cancel()
         self._settle()
 
     def _settle(self) -> None:
@@ -518,8 +519,13 @@ class StageRouter:
         timeout = timeout or self.request_timeout
         if chain_wiring.is_chained(metadata):
             metadata = metadata | {"budget": timeout}
-        future = self.node.submit(self._request(stage, peer, method, tensors, metadata, timeout))
-        return PendingCall(self, stage, peer, load, batch, future, timeout + 1 + 2 * CONNECT_TIMEOUT, timed)
+        call = PendingCall(self, stage, peer, load, batch, timeout + 1 + 2 * CONNECT_TIMEOUT, timed)
+        try:
+            call.future = self.node.submit(self._request(stage, peer, method, tensors, metadata, timeout))
+        except BaseException:
+            call.cancel()
+            raise
+        return call
 
     def finish(self, call: PendingCall, check: Optional[Callable[[Reply], None]] = None, count: bool = True) -> Reply:
         """The answer to a call :meth:`start_call` sent, vetted and failed as :meth:`call_peer` says."""

@@ -18,12 +18,13 @@ The handing on runs on threads of its own (routers block), so the event loop goe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional
+from collections import Counter, OrderedDict
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from typing import Hashable, Optional
 
 from lightning_swarm import compression
 from lightning_swarm.chain_wiring import Receipt, ReceiptCheck
@@ -41,18 +42,28 @@ log = logging.getLogger(__name__)
 
 MAX_HANDING_ON = 64  # chained requests handed on at once; more wait for a thread
 MAX_WAITING = 1024  # collect requests waiting for their parcels at once; more are answered at once
+MAX_WAITING_PER_CALLER = 64  # of them from one caller: a trainer's microbatches in flight at most
 PARCEL_TTL = 60.0  # seconds a parked output waits for the trainer to collect it
 PASSED_ON = ("codec", "train", "origin", "parcel", "loss_scale")  # what every hop's request repeats
 
 
 class Parcels:
     """Outputs parked for their trainer, bounded by ``max_bytes`` (the oldest go first) and ``ttl`` seconds. Up to
-    ``max_waiting`` collectors at once may wait for a parcel not parked yet (:meth:`take_when_parked`)."""
+    ``max_waiting`` collect requests at once, ``max_waiting_per_caller`` of each caller, may wait for a parcel not
+    parked yet (:meth:`take_when_parked`)."""
 
-    def __init__(self, max_bytes: int, ttl: float = PARCEL_TTL, max_waiting: int = MAX_WAITING) -> None:
-        self.max_bytes, self.ttl, self.max_waiting, self.nbytes = max_bytes, ttl, max_waiting, 0
+    def __init__(
+        self,
+        max_bytes: int,
+        ttl: float = PARCEL_TTL,
+        max_waiting: int = MAX_WAITING,
+        max_waiting_per_caller: int = MAX_WAITING_PER_CALLER,
+    ) -> None:
+        self.max_bytes, self.ttl, self.nbytes = max_bytes, ttl, 0
+        self.max_waiting, self.max_waiting_per_caller = max_waiting, max_waiting_per_caller
         self._entries: OrderedDict[str, tuple[float, compression.WireTensor]] = OrderedDict()
-        self._waiting: dict[str, Future] = {}  # parcel key -> set once it is parked
+        self._waiting: dict[str, tuple[Hashable, Future]] = {}  # parcel key -> its collector, set once parked
+        self._callers: Counter[Hashable] = Counter()  # collectors waiting, per caller
         self._lock = threading.Lock()
 
     def park(self, key: str, tensor: compression.WireTensor) -> None:
@@ -65,29 +76,33 @@ class Parcels:
                 self.nbytes > self.max_bytes or now - next(iter(self._entries.values()))[0] > self.ttl
             ):
                 self._drop(self._entries.popitem(last=False)[1])
-            waiter = self._waiting.pop(key, None)
+            waiter = self._waiting.get(key)
         if waiter is not None:
-            waiter.set_result(None)
+            with contextlib.suppress(InvalidStateError):  # its wait ran out just now
+                waiter[1].set_result(None)
 
-    async def take_when_parked(self, key: str, wait: float) -> compression.WireTensor:
+    async def take_when_parked(self, key: str, wait: float, caller: Hashable = None) -> compression.WireTensor:
         """The parcel under ``key`` once it is parked, waiting up to ``wait`` seconds (at most the parcels' ``ttl``)
-        for it; as :meth:`take` once the wait is over, or at once if ``max_waiting`` collectors already wait or one
-        waits for this key."""
+        for it; as :meth:`take` once the wait is over, or at once if as many collectors as allowed wait already
+        (of all, or of ``caller``), or one waits for this key."""
         with self._lock:
             waits = wait > 0 and key not in self._entries and key not in self._waiting
-            if waits and len(self._waiting) < self.max_waiting:
-                waiter = self._waiting[key] = Future()
+            if waits and len(self._waiting) < self.max_waiting and self._callers[caller] < self.max_waiting_per_caller:
+                waiter = self._waiting[key] = (caller, Future())
+                self._callers[caller] += 1
             else:
                 waiter = None
         if waiter is not None:
             try:
-                await asyncio.wait_for(asyncio.wrap_future(waiter), min(wait, self.ttl))
+                await asyncio.wait_for(asyncio.wrap_future(waiter[1]), min(wait, self.ttl))
             except asyncio.TimeoutError:
                 pass
             finally:
                 with self._lock:
-                    if self._waiting.get(key) is waiter:
-                        del self._waiting[key]
+                    del self._waiting[key]
+                    self._callers[caller] -= 1
+                    if not self._callers[caller]:
+                        del self._callers[caller]
         return self.take(key)
 
     def take(self, key: str) -> compression.WireTensor:

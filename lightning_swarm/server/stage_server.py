@@ -271,7 +271,8 @@ class StageServer(StageService):
             if parcel is not None:
                 if kind != "forward" or len(request.tensors):
                     raise SwarmRequestError("a parcel is collected by a forward request without tensors")
-                return [await self.onward.parcels.take_when_parked(parcel, chain_wiring.collect_wait(metadata))]
+                wait = chain_wiring.collect_wait(metadata)
+                return [await self.onward.parcels.take_when_parked(parcel, wait, caller)]
             codec = str(metadata.get("codec", "none"))
             if codec not in compression.CODECS:
                 raise SwarmRequestError(f"unknown compression {codec!r}")

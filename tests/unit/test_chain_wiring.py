@@ -453,24 +453,32 @@ def test_the_input_gradient_is_asked_for_as_the_chained_backward_starts_and_come
 
 def test_a_collect_waits_for_its_parcel_up_to_its_wait_and_a_bounded_number_wait():
     """A collect that waits gets the parcel parked after it came; one whose wait runs out finds none (as a collect
-    without a wait does); past ``max_waiting`` waiting collects, or for a key already waited for, a collect is
-    answered at once; no waiter is left behind; a wait that is not a number of seconds is refused."""
+    without a wait does); past ``max_waiting`` waiting collects, or a caller's share of them, or for a key already
+    waited for, a collect is answered at once; no waiter is left behind; a wait that is not a number of seconds is
+    refused."""
     parcel = compression.encode(torch.ones(2, 3), "none")
 
-    async def scenario() -> None:
-        parcels = Parcels(2**20, max_waiting=1)
-        waited = asyncio.create_task(parcels.take_when_parked("a", 30.0))
-        while not parcels.waiting:
+    async def waiting(parcels: Parcels, count: int) -> None:
+        while parcels.waiting != count:
             await asyncio.sleep(0.001)
-        with pytest.raises(ActivationsLostError):  # the only place to wait is taken
-            await parcels.take_when_parked("b", 30.0)
-        with pytest.raises(ActivationsLostError):  # so is key "a"'s
-            await parcels.take_when_parked("a", 30.0)
-        assert not waited.done()
-        threading.Thread(target=parcels.park, args=("a", parcel)).start()  # parked by a hand-on thread
-        assert await asyncio.wait_for(waited, 30.0) is parcel
+
+    async def scenario() -> None:
+        parcels = Parcels(2**20, max_waiting=2, max_waiting_per_caller=1)
+        first = asyncio.create_task(parcels.take_when_parked("a", 30.0, "t"))
+        await asyncio.wait_for(waiting(parcels, 1), 30.0)
+        for key, caller in (("b", "t"), ("a", "u")):  # the caller's only place is taken; so is key "a"'s
+            with pytest.raises(ActivationsLostError):
+                await parcels.take_when_parked(key, 30.0, caller)
+        second = asyncio.create_task(parcels.take_when_parked("b", 30.0, "u"))
+        await asyncio.wait_for(waiting(parcels, 2), 30.0)
+        with pytest.raises(ActivationsLostError):  # every place is taken
+            await parcels.take_when_parked("c", 30.0, "v")
+        assert not first.done() and not second.done()
+        for key in ("a", "b"):
+            threading.Thread(target=parcels.park, args=(key, parcel)).start()  # parked by a hand-on thread
+        assert await asyncio.wait_for(asyncio.gather(first, second), 30.0) == [parcel, parcel]
         with pytest.raises(ActivationsLostError):
-            await parcels.take_when_parked("c", 0.05)  # never parked: its wait runs out
+            await parcels.take_when_parked("c", 0.05, "v")  # never parked: its wait runs out
         parcels.park("d", parcel)
         assert await parcels.take_when_parked("d", 0.0) is parcel
         assert parcels.waiting == len(parcels) == 0
