@@ -10,9 +10,10 @@ A chained request's metadata carries, besides what any request does:
 
 - ``"parcel"``: the key under which the hop that ends the chain parks what it returns (random, made by the trainer:
   whoever knows it may collect the parcel once);
-- ``"onward"``: the hops after this one. Forward: ``{"stage", "keep", "calls", "sides"}`` (the key to keep the
-  forward under, the blocks' side inputs and how many of the request's last tensors are that hop's side inputs,
-  as the trainer would send them itself); backward: ``{"stage", "peer", "kept"}`` (the peer that kept the forward);
+- ``"onward"``: the hops after this one. Forward: ``{"stage", "keep", "calls", "sides", "prefer"}`` (the key to
+  keep the forward under, the blocks' side inputs and how many of the request's last tensors are that hop's side
+  inputs, as the trainer would send them itself, and optionally the peer to try first: the trainer names the last
+  hop's, where its collect waits); backward: ``{"stage", "peer", "kept"}`` (the peer that kept the forward);
 - ``"origin"``: the trainer whose kept forwards these are, as the key's scope on every hop (a kept forward is
   stored by one caller and used by another, its backward coming from the next stage's peer);
 - ``"budget"``: the seconds its caller waits for the receipt (set by the router on every attempt). A hop hands on
@@ -22,9 +23,10 @@ A chained request's metadata carries, besides what any request does:
 
 Its reply is a :class:`Receipt`. A collect request is a forward with ``{"collect": parcel}`` and no tensor; its
 reply is the parcel as the parking hop encoded it. With ``{"wait": seconds}`` it waits there for the parcel to be
-parked: a trainer that knows which peer ends the chain (a backward's, the peer that kept the first hop's forward)
-sends it with the chained request, so the parcel comes back as soon as it is parked, while the receipt is still on
-its way back along the chain.
+parked: the trainer, knowing which peer ends the chain (a backward's, the peer that kept the first hop's forward; a
+forward's, the peer it named for the last hop, unless the hop before failed over from it), sends it with the
+chained request, so the parcel comes back as soon as it is parked, while the receipt is still on its way back
+along the chain.
 """
 
 from __future__ import annotations
@@ -114,9 +116,11 @@ def onward_hops(metadata: dict, kind: str) -> list[dict]:
         if not isinstance(hop, dict) or not isinstance(hop.get("stage"), int) or isinstance(hop["stage"], bool):
             raise SwarmRequestError("an onward hop names its stage")
         if kind == "forward":
-            sides, keep = hop.get("sides", 0), hop.get("keep")
+            sides, keep, prefer = hop.get("sides", 0), hop.get("keep"), hop.get("prefer")
             if not isinstance(sides, int) or sides < 0 or not (keep is None or _is_key(keep)):
                 raise SwarmRequestError("an onward forward hop has a count of side inputs and an optional key")
+            if not (prefer is None or _is_key(prefer, 128)):
+                raise SwarmRequestError("an onward forward hop's preferred peer is a peer id")
         elif not (_is_key(hop.get("peer"), 128) and _is_key(hop.get("kept"))):
             raise SwarmRequestError("an onward backward hop names the peer and the key of the kept forward")
     return hops

@@ -461,21 +461,31 @@ class RemotePipeline(nn.Module):
             if side is not None:
                 self.router.stats.add(side_bytes_sent=protocol.payload_bytes(side.tensors))
         own, chained = {"keep": route.keys[0], **(first.metadata if first is not None else {})}, self._chained(onward)
-        receipt = ReceiptCheck()
-        _, peer = self._call(route.stages[0], "forward", tensors, receipt, route.train, **own, **chained)
-        route.peers, stopped = [peer, *receipt.receipt.peers], receipt.receipt.stopped
-        if len(route.peers) > len(route.stages) - stopped or (len(route.peers) < len(route.stages) and not stopped):
-            raise BadReplyError(f"a receipt for {len(route.peers)} hops, expected {len(route.stages)}")
-        self._report(receipt.receipt)
-        if stopped:
-            raise _ChainStopped(receipt.receipt)
+        last = self.router.choose(route.stages[-1], check.batch)  # the last hop's peer, if it can take it
+        waiting = None
+        if last is not None:
+            onward[-1]["prefer"] = last
+            waiting = self._wait_for_parcel(route.stages[-1], last, chained["parcel"], check.batch)
         try:
-            return self._collect(route.stages[-1], route.peers[-1], chained["parcel"], check)
-        except CALLERS_FAULT:
-            raise
-        except Exception as e:  # the last stage's peer failed (counted as this router's failed call): named
-            failed = [route.stages[-1], "forward", route.peers[-1], "", repr(e)]
-            raise _ChainStopped(Receipt(stopped=True, failovers=[failed], error=repr(e))) from e
+            receipt = ReceiptCheck()
+            _, peer = self._call(route.stages[0], "forward", tensors, receipt, route.train, **own, **chained)
+            route.peers, stopped = [peer, *receipt.receipt.peers], receipt.receipt.stopped
+            if len(route.peers) > len(route.stages) - stopped or (len(route.peers) < len(route.stages) and not stopped):
+                raise BadReplyError(f"a receipt for {len(route.peers)} hops, expected {len(route.stages)}")
+            self._report(receipt.receipt)
+            if stopped:
+                raise _ChainStopped(receipt.receipt)
+            waited = waiting if route.peers[-1] == last else None  # else the hop before failed over from it
+            try:
+                return self._collect(route.stages[-1], route.peers[-1], chained["parcel"], check, waiting=waited)
+            except CALLERS_FAULT:
+                raise
+            except Exception as e:  # the last stage's peer failed (counted as this router's failed call): named
+                failed = [route.stages[-1], "forward", route.peers[-1], "", repr(e)]
+                raise _ChainStopped(Receipt(stopped=True, failovers=[failed], error=repr(e))) from e
+        finally:
+            if waiting is not None:
+                waiting.cancel()  # a no-op once its parcel came
 
     def _chain_backward(
         self, hop: int, grad: runtime_pb2.Tensor, route: Route, loss_scale: Optional[float], landing: Landing
@@ -523,12 +533,13 @@ class RemotePipeline(nn.Module):
         finally:
             waiting.cancel()  # a no-op once its parcel came; else the chain stopped before the first hop
 
-    def _wait_for_parcel(self, stage: int, peer: str, parcel: str) -> PendingCall:
+    def _wait_for_parcel(self, stage: int, peer: str, parcel: str, batch: int = 0) -> PendingCall:
         """A collect of ``parcel`` from ``peer`` that waits there until the chain parks it, sent with the chained
-        request: the parcel comes back while the receipt is still on its way along the chain."""
+        request: the parcel comes back while the receipt is still on its way along the chain. ``batch``: samples
+        counted in flight there meanwhile (a forward's, whose last hop this process chose)."""
         timeout = self.router.request_timeout
         collect = {"collect": parcel, "wait": timeout}
-        return self.router.start_call(stage, peer, "forward", [], collect, 0, timeout + 1.0, timed=False)
+        return self.router.start_call(stage, peer, "forward", [], collect, batch, timeout + 1.0, timed=False)
 
     def _collect_parked(
         self,

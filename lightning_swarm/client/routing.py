@@ -307,6 +307,10 @@ class StageRouter:
             with self._lock:
                 self._refreshing.discard(stage)
 
+    def knows(self, stage: int, peer: str) -> bool:
+        """Whether ``peer`` serves ``stage`` in the records this router last read."""
+        return peer in self._peers[stage]
+
     def _left(self, stage: int, peer_id: str) -> bool:
         """Whether ``peer_id`` is this peer, which does not serve ``stage`` (any more: the record of the stage it
         moved from outlives the move by up to its time to live, and a call to itself over libp2p fails)."""

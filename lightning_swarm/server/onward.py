@@ -1,8 +1,9 @@
 """Stage-to-stage sends: a stage server hands a chained request's output on to a peer of the next hop's stage
 (:mod:`~lightning_swarm.chain_wiring`), and parks the output of the hop that ends the chain for the trainer.
 
-Forward: the next peer is chosen by this peer's router as a trainer's router chooses (load-aware, at random), with
-the same failover to other peers of that stage. If none takes it within ``wait_timeout`` seconds, or before the
+Forward: the next peer is chosen by this peer's router as a trainer's router chooses (load-aware, at random), or is
+the one the hop names as preferred (the trainer names the last hop's, where it waits for the parcel), with the same
+failover to other peers of that stage. If none takes it within ``wait_timeout`` seconds, or before the
 caller stops waiting (the request's deadline, :func:`~lightning_swarm.chain_wiring.deadline`), the answer is a
 receipt that says the chain stopped here and which peers failed on the way; the trainer relays that microbatch
 itself. A next stage that finds NaN or Inf in the output refuses it: this peer made it, so it reports its own
@@ -161,6 +162,8 @@ class Onward:
         if kind == "backward":
             return self._backward(routes, hop, output, request | {"kept": hop["kept"]}, batch, check, deadline)
         request |= {name: hop[name] for name in ("keep", "calls") if hop.get(name) is not None}
+        prefer = hop.get("prefer")  # tried first if this peer's records have it too (they may be behind)
+        prefer = prefer if prefer is not None and routes.knows(hop["stage"], prefer) else None
         failovers: list[list] = []
         try:
             _, peer = routes.call(
@@ -169,6 +172,7 @@ class Onward:
                 [output, *sides],
                 request,
                 batch,
+                prefer=prefer,
                 check=check,
                 report=lambda event: failovers.append(_listed(event)),
                 wait_timeout=self.wait_timeout,

@@ -402,6 +402,18 @@ class _HeldBackward(torch.autograd.Function):
         return grad
 
 
+class HeldForward(torch.nn.Module):
+    """``module``, whose forward waits until :data:`RELEASE` is set."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert RELEASE.wait(60), "never released"
+        return self.module(x)
+
+
 class HeldBackward(torch.nn.Module):
     """``module``, whose backward waits until :data:`RELEASE` is set."""
 
@@ -449,6 +461,39 @@ def test_the_input_gradient_is_asked_for_as_the_chained_backward_starts_and_come
     finally:
         RELEASE.set()
         shutdown(router)
+
+
+def test_the_output_is_asked_for_at_the_last_stage_peer_the_trainer_named_as_the_chained_forward_starts():
+    """The trainer names the last hop's peer (here one of two) and its collect of the output waits there while the
+    chained forward is still on its way (held in that stage's forward); the output comes back exact, with one
+    collect per microbatch. Where the hop before fails over from the named peer (it fails), the receipt names the
+    peer that ran it and the output is collected there."""
+    RELEASE.clear()
+    first = torch.nn.Linear(8, 8)
+    servers = [stage(0), stage(1), stage(2, HeldForward(first))]
+    other = stage(2, first)  # the same weights: either peer computes the same output
+    modules = [servers[0].module, servers[1].module, first]
+    x = torch.randn(4, 8)
+    router = swarm([{"p0": servers[0]}, {"p1": servers[1]}, {"p2": servers[2], "p2b": other}], first=("p2",))
+    try:
+        remote = pipeline(router, modules, microbatches=1)
+        forward = threading.Thread(target=lambda: remote(x))
+        forward.start()
+        wait_for(lambda: servers[2].onward.parcels.waiting == 1)  # its collect came before its output
+        assert forward.is_alive() and other.onward.parcels.waiting == 0
+        RELEASE.set()
+        forward.join(60)
+        torch.testing.assert_close(remote(x), plain(modules, x, microbatches=1)[0], rtol=0, atol=0)
+        assert router.stats.calls == 2 * 2  # per forward: the chained request and the one collect
+        for seen_by in (router, servers[1].onward.routes):
+            seen_by.servers["p2"] = Failing()
+        torch.testing.assert_close(remote(x), plain(modules, x, microbatches=1)[0], rtol=0, atol=0)
+        assert router.stats.chosen.get("p2b") == 1 and router.stats.failovers == 1
+        assert all(s.onward.parcels.waiting == len(s.onward.parcels) == 0 for s in (*servers, other))
+    finally:
+        RELEASE.set()
+        shutdown(router)
+        other.shutdown()
 
 
 def test_a_collect_waits_for_its_parcel_up_to_its_wait_and_a_bounded_number_wait():
