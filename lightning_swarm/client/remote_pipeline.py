@@ -59,7 +59,6 @@ from lightning_swarm.errors import (
     BadReplyError,
     ChainBrokenError,
     NonFiniteInputError,
-    StageBusyError,
     StageUnavailableError,
 )
 
@@ -578,13 +577,17 @@ class RemotePipeline(nn.Module):
     ) -> runtime_pb2.Tensor:
         """The parcel a chain parked on ``peer`` (of ``stage``), once ``check`` passed it; a failure is counted
         unless ``count`` is False (see :meth:`RemotePipeline._chain_backward`). ``waiting``: that parcel's collect
-        already sent (:meth:`_wait_for_parcel`); asked for again if it came back without it (its wait ran out, or
-        the peer let it wait no longer)."""
+        already sent (:meth:`_wait_for_parcel`), which fails nobody: if it came back without the parcel (its wait ran
+        out, the peer let it wait no longer or did not serve yet when it came), the parcel is asked for again."""
         if waiting is not None:
             try:
-                return self.router.finish(waiting, check, count)[0]
-            except (ActivationsLostError, StageBusyError):
+                reply = waiting.result()
+            except CALLERS_FAULT:
+                raise
+            except Exception:
                 pass
+            else:
+                return self.router.vet(stage, peer, reply, check, count)[0]
         return self.router.call_peer(stage, peer, "forward", [], {"collect": parcel}, check.batch, check, count)[0]
 
     def _chained(self, onward: list[dict]) -> dict:

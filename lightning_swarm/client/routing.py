@@ -535,14 +535,24 @@ class StageRouter:
         """The answer to a call :meth:`start_call` sent, vetted and failed as :meth:`call_peer` says."""
         try:
             reply = call.result()
-            if check is not None:
-                check(reply)
-            return reply
         except (*CALLERS_FAULT, ActivationsLostError, StageBusyError, ChainBrokenError):
             raise
         except Exception as e:
             self.blame(call.stage, call.peer, repr(e), count)
             raise
+        return self.vet(call.stage, call.peer, reply, check, count)
+
+    def vet(
+        self, stage: int, peer: str, reply: Reply, check: Optional[Callable[[Reply], None]], count: bool = True
+    ) -> Reply:
+        """``reply`` of ``peer`` once ``check`` passed it; if it did not, the peer is blamed (:meth:`call_peer`)."""
+        if check is not None:
+            try:
+                check(reply)
+            except Exception as e:
+                self.blame(stage, peer, repr(e), count)
+                raise
+        return reply
 
     def count_failed(self, peer: str) -> None:
         """Count a failed call to ``peer`` (this router's, or one a stage server reported in a receipt)."""

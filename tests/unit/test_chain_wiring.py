@@ -496,6 +496,40 @@ def test_the_output_is_asked_for_at_the_last_stage_peer_the_trainer_named_as_the
         other.shutdown()
 
 
+class NotServingYetToWaitingCollects:
+    """A stage peer that serves as ``server`` does, but answers a collect that would wait as a peer that does not
+    serve the stage yet (one that has just started)."""
+
+    def __init__(self, server: StageServer) -> None:
+        self.server = server
+
+    async def answer_tensors(self, kind, request, caller):
+        if "wait" in protocol.decode_metadata(request.metadata):
+            raise NotServingError("this peer does not serve the stage yet")
+        return await self.server.answer_tensors(kind, request, caller)
+
+
+def test_a_waiting_collect_that_failed_fails_nobody_and_the_parcel_is_asked_for_again():
+    """The peers at both ends of the chain refuse the collects that would wait: the trainer asks for each parcel
+    again once the receipt came, blames and bans nobody, and the output and input gradient are exact."""
+    servers = [stage(k) for k in range(3)]
+    modules = [s.module for s in servers]
+    x = torch.randn(8, 8)
+    router = swarm([{f"p{k}": s} for k, s in enumerate(servers)])
+    for peer in ("p0", "p2"):
+        router.servers[peer] = NotServingYetToWaitingCollects(router.servers[peer])
+    try:
+        got = run(pipeline(router, modules), x)
+        expected = plain(modules, x)
+        torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
+        assert router.stats.calls == 2 * 6  # per microbatch and direction: the chained call and two collects
+        assert router.stats.failed == {} and router.stats.failovers == router.stats.recomputed == 0
+        assert not router.banned("p0") and not router.banned("p2")
+    finally:
+        shutdown(router)
+
+
 def test_a_collect_waits_for_its_parcel_up_to_its_wait_and_a_bounded_number_wait():
     """A collect that waits gets the parcel parked after it came; one whose wait runs out finds none (as a collect
     without a wait does); past ``max_waiting`` waiting collects, or a caller's share of them, or for a key already
