@@ -369,8 +369,12 @@ def test_an_averager_declares_itself_a_donor_at_most_once_a_period(monkeypatch):
             averager._state_updated.set()
             await asyncio.sleep(0)  # the declarer runs if woken
         at_once = declared
-        await asyncio.sleep(0.6)  # the held set is released once, 0.3 s after the first
-        held = declared
+        for _ in range(3000):  # the held sets are released once, a period after the first (later on a busy loop)
+            if declared > at_once:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3 + 0.05)  # a period after that release, which came before its wake was seen
+        held = declared  # and no other
         averager._state_updated.set()  # a period after the last: at once
         await asyncio.sleep(0)
         declarer.cancel()
