@@ -254,14 +254,15 @@ def test_a_chain_with_no_peer_for_a_stage_breaks_and_the_trainer_relays_the_micr
 
 
 class LeavesWithItsParcels:
-    """A stage peer that serves as ``server`` does, but has moved on to another stage once a parcel is collected."""
+    """A stage peer that serves as ``server`` does, but answers a request whose metadata has ``field`` as a peer that
+    does not serve the stage: by default it has moved on to another stage once a parcel is collected."""
 
-    def __init__(self, server: StageServer) -> None:
-        self.server = server
+    def __init__(self, server: StageServer, field: str = "collect") -> None:
+        self.server, self.field = server, field
 
     async def answer_tensors(self, kind, request, caller):
-        if "collect" in protocol.decode_metadata(request.metadata):
-            raise NotServingError("this peer no longer serves the stage")
+        if self.field in protocol.decode_metadata(request.metadata):
+            raise NotServingError("this peer does not serve the stage")
         return await self.server.answer_tensors(kind, request, caller)
 
 
@@ -496,19 +497,6 @@ def test_the_output_is_asked_for_at_the_last_stage_peer_the_trainer_named_as_the
         other.shutdown()
 
 
-class NotServingYetToWaitingCollects:
-    """A stage peer that serves as ``server`` does, but answers a collect that would wait as a peer that does not
-    serve the stage yet (one that has just started)."""
-
-    def __init__(self, server: StageServer) -> None:
-        self.server = server
-
-    async def answer_tensors(self, kind, request, caller):
-        if "wait" in protocol.decode_metadata(request.metadata):
-            raise NotServingError("this peer does not serve the stage yet")
-        return await self.server.answer_tensors(kind, request, caller)
-
-
 def test_a_waiting_collect_that_failed_fails_nobody_and_the_parcel_is_asked_for_again():
     """The peers at both ends of the chain refuse the collects that would wait: the trainer asks for each parcel
     again once the receipt came, blames and bans nobody, and the output and input gradient are exact."""
@@ -517,7 +505,7 @@ def test_a_waiting_collect_that_failed_fails_nobody_and_the_parcel_is_asked_for_
     x = torch.randn(8, 8)
     router = swarm([{f"p{k}": s} for k, s in enumerate(servers)])
     for peer in ("p0", "p2"):
-        router.servers[peer] = NotServingYetToWaitingCollects(router.servers[peer])
+        router.servers[peer] = LeavesWithItsParcels(router.servers[peer], "wait")  # as one not serving yet
     try:
         got = run(pipeline(router, modules), x)
         expected = plain(modules, x)
