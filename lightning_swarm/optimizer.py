@@ -199,6 +199,9 @@ def create_state(optimizer: torch.optim.Optimizer) -> None:
             state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0
 
 
+RELEASER_IDLE = 10.0  # seconds a CoalescedSignal's releaser waits for another held set before it leaves
+
+
 class _NoRateEstimate(PerformanceEMA):
     """A throughput estimate that never leaves zero."""
 
@@ -211,34 +214,52 @@ class CoalescedSignal(threading.Event):
     as it is then in the DHT. While ``coalescing``, a set within ``period`` seconds of the last one is held back until
     ``period`` after it, and the sets held meanwhile become that one: the reports of one epoch's samples, one per
     microbatch, cost at most one store per period, and the latest progress is always stored. Any other set (a new
-    epoch, shutdown) goes at once."""
+    epoch, shutdown) goes at once.
+
+    Held sets are released by one thread that stays while sets keep being held (it leaves after
+    :data:`RELEASER_IDLE` seconds with none): a thread started per held set cost the caller, an optimizer step, the
+    new thread's start, 0.4-0.9 ms p50 and up to 10 ms on a loaded machine."""
 
     def __init__(self, period: float) -> None:
         super().__init__()
         self.period = period
         self.coalescing = False
         self._last = -math.inf  # when it was last set
-        self._held: Optional[threading.Timer] = None
-        self._lock = threading.Lock()
+        self._due: Optional[float] = None  # when the sets held now are released
+        self._changed = threading.Condition(threading.Lock())
+        self._releaser: Optional[threading.Thread] = None
 
     def set(self) -> None:
-        with self._lock:
+        with self._changed:
             now = time.monotonic()
             if not self.coalescing or now >= self._last + self.period:
                 self._release(now)
-            elif self._held is None:
-                self._held = threading.Timer(self._last + self.period - now, self._release_held)
-                self._held.daemon = True
-                self._held.start()
+            elif self._due is None:
+                self._due = self._last + self.period
+                if self._releaser is None:
+                    self._releaser = threading.Thread(target=self._release_when_due, name="swarm-report", daemon=True)
+                    self._releaser.start()
+                else:
+                    self._changed.notify()
 
-    def _release_held(self) -> None:
-        with self._lock:
-            self._release(time.monotonic())
+    def _release_when_due(self) -> None:
+        with self._changed:
+            idle_since = time.monotonic()
+            while True:
+                now = time.monotonic()
+                if self._due is not None and now >= self._due:
+                    self._release(now)
+                    idle_since = now
+                elif self._due is not None:
+                    self._changed.wait(self._due - now)
+                elif now - idle_since >= RELEASER_IDLE:
+                    self._releaser = None
+                    return
+                else:
+                    self._changed.wait(idle_since + RELEASER_IDLE - now)
 
     def _release(self, now: float) -> None:
-        if self._held is not None:
-            self._held.cancel()  # a no-op when it is the timer running this
-            self._held = None
+        self._due = None
         self._last = now
         super().set()
 

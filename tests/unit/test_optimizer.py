@@ -345,6 +345,38 @@ def test_more_samples_within_an_epoch_are_reported_coalesced():
         node.shutdown()
 
 
+def test_held_reports_are_released_by_one_thread_that_leaves_when_idle(monkeypatch):
+    """A held report is released a period after the last one by a thread that stays for the next held reports (a
+    thread started per held report cost the optimizer step that held it the thread's start), and leaves once
+    nothing was held for a while."""
+    monkeypatch.setattr(optimizer_module, "RELEASER_IDLE", 0.5)
+    report = CoalescedSignal(period=0.05)
+
+    def releasers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "swarm-report"}
+
+    before = releasers()
+    report.set()  # not coalescing: at once
+    report.coalescing = True
+    started = []
+    for _ in range(3):
+        report.clear()
+        report.set()  # within the period of the last release: held
+        assert not report.is_set()
+        assert report.wait(timeout=30)  # released a period later
+        started.append(releasers() - before)
+    assert len(started[0]) == 1 and started[0] == started[1] == started[2]
+    (releaser,) = started[0]
+    releaser.join(timeout=30)
+    assert not releaser.is_alive()
+    report.coalescing = False
+    report.set()
+    report.clear()
+    report.coalescing = True
+    report.set()
+    assert not report.is_set() and report.wait(timeout=30)  # held again after it left: a new one releases it
+
+
 def test_an_averager_declares_itself_a_donor_at_most_once_a_period(monkeypatch):
     """hivemind's averager stores a declaration each time its ``_state_updated`` event is set: at every step (a new
     priority) and for every tensor of an all-reduce round. Within a period the sets become one at once and one when
