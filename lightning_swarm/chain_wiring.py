@@ -26,7 +26,9 @@ reply is the parcel as the parking hop encoded it. With ``{"wait": seconds}`` it
 parked: the trainer, knowing which peer ends the chain (a backward's, the peer that kept the first hop's forward; a
 forward's, the peer it named for the last hop, unless the hop before failed over from it), sends it with the
 chained request, so the parcel comes back as soon as it is parked, while the receipt is still on its way back
-along the chain.
+along the chain. The trainer goes on with a parcel that comes first (one way across the last link, against one per
+stage for the receipt) and reads the receipt when it comes: a forward's backward waits for it, as it names the
+peers that kept the forwards, and if it never comes right, runs the microbatch's forward again, relayed.
 """
 
 from __future__ import annotations

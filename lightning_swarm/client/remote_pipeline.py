@@ -34,6 +34,7 @@ batch's backward has left in turn (that one's sends do not wait for the older on
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -129,6 +130,10 @@ class Route:
     peers: list[str] = field(default_factory=list)
     keys: list[Optional[str]] = field(default_factory=list)  # None: the forward was not kept (no backward expected)
     sides: list[Optional[Request]] = field(default_factory=list)
+    # a chained forward whose output came before its receipt: waits for the receipt to be read (``peers``), raising
+    # what reading it raised; and the microbatch's forward again, relayed, if it failed (RemotePipeline._settled)
+    receipt: Optional[Callable[[], None]] = field(default=None, repr=False, compare=False)
+    redo: Optional[Callable[[Exception], tuple[torch.Tensor, Route]]] = field(default=None, repr=False, compare=False)
 
 
 class RemotePipeline(nn.Module):
@@ -175,6 +180,8 @@ class RemotePipeline(nn.Module):
         self._pool = ThreadPoolExecutor(2 * most, "swarm-microbatch") if most > 1 else None
         # two: a batch's backward leaves while the one before it still ends (see finish_backward)
         self._behind = ThreadPoolExecutor(2, "swarm-backward")
+        # chains' receipts read after their parcel came: each once it is in, so a thread is never held waiting
+        self._receipts = ThreadPoolExecutor(2, "swarm-receipt")
         self._slots = _Slots()
         self._trailing: list[Trailing] = []
         self._latest = (0.0, 0.0)  # the latest backward through the stages: its forward's start, its end
@@ -309,6 +316,7 @@ class RemotePipeline(nn.Module):
         if self._pool is not None:
             self._pool.shutdown(wait=False)
         self._behind.shutdown(wait=False)
+        self._receipts.shutdown(wait=False)
 
     @property
     def boundaries(self) -> set[int]:
@@ -393,6 +401,7 @@ class RemotePipeline(nn.Module):
             route = Route(train, [hop.stage for _, hop in hops], [hidden] + [None] * (len(hops) - 1), sides=sides)
             route.keys = [uuid.uuid4().hex if keep else None for _ in hops]
             check = self._reply_check(int(hidden.size[0]), hops[-1][1], landing)
+            route.redo = partial(self._relay, hidden, sides, hops, keep, train, None)
             try:
                 self._chain_forward(hidden, route, check)
                 self.router.stats.add(chained=1)
@@ -402,6 +411,20 @@ class RemotePipeline(nn.Module):
             except Exception as e:  # a broken chain, a bad receipt or parcel, or the last peer gone since
                 log.warning("Stage-to-stage forward failed (%r): relaying this microbatch instead", e)
                 broken = e
+        return self._relay(hidden, sides, hops, keep, train, landing, broken)
+
+    def _relay(
+        self,
+        hidden: runtime_pb2.Tensor,
+        sides: list[Optional[Request]],
+        hops: list[tuple[int, Hop]],
+        keep: bool,
+        train: bool,
+        landing: Optional[Landing],
+        broken: Optional[Exception] = None,
+    ) -> tuple[torch.Tensor, Route]:
+        """One microbatch through the hops, each reply relayed by this process; ``broken``: why a chain was given up
+        for it (reported as a failover)."""
         route = Route(train)
         blamed = 0
         while len(route.peers) < len(hops):
@@ -449,7 +472,8 @@ class RemotePipeline(nn.Module):
 
     def _chain_forward(self, hidden: runtime_pb2.Tensor, route: Route, check: ReplyCheck) -> runtime_pb2.Tensor:
         """Forward along ``route``'s stages, stage to stage; the peers that ran them go into ``route``. Returns the
-        last stage's output as its peer parked it, once ``check`` passed it."""
+        last stage's output as its peer parked it, once ``check`` passed it. If it came before the receipt (on its
+        way back along the chain), it returns then, and the receipt is read once it comes (``route.receipt``)."""
         first, onward = route.sides[0], []
         tensors = [hidden, *(first.tensors if first is not None else [])]
         for stage, key, side in zip(route.stages[1:], route.keys[1:], route.sides[1:]):
@@ -465,26 +489,128 @@ class RemotePipeline(nn.Module):
         if last is not None:
             onward[-1]["prefer"] = last
             waiting = self._wait_for_parcel(route.stages[-1], last, chained["parcel"], check.batch)
+        metadata = {"codec": self.codec, "train": route.train, **own, **chained}
         try:
+            chain = self._start_chain(route.stages[0], tensors, metadata, check.batch)
             receipt = ReceiptCheck()
-            _, peer = self._call(route.stages[0], "forward", tensors, receipt, route.train, **own, **chained)
-            route.peers, stopped = [peer, *receipt.receipt.peers], receipt.receipt.stopped
-            if len(route.peers) > len(route.stages) - stopped or (len(route.peers) < len(route.stages) and not stopped):
-                raise BadReplyError(f"a receipt for {len(route.peers)} hops, expected {len(route.stages)}")
-            self._report(receipt.receipt)
-            if stopped:
-                raise _ChainStopped(receipt.receipt)
+            if chain is not None and self._parcel_first(chain, waiting):
+                route.receipt = self._read_later(chain, partial(self._forward_receipt, route, chain, receipt, last))
+                return self._collected(route.stages[-1], last, chained["parcel"], check, waiting)
+            peer = self._first_hop(chain, route.stages[0], tensors, receipt, route.train, metadata)
+            self._read_receipt(route, peer, receipt.receipt)
             waited = waiting if route.peers[-1] == last else None  # else the hop before failed over from it
-            try:
-                return self._collect(route.stages[-1], route.peers[-1], chained["parcel"], check, waiting=waited)
-            except CALLERS_FAULT:
-                raise
-            except Exception as e:  # the last stage's peer failed (counted as this router's failed call): named
-                failed = [route.stages[-1], "forward", route.peers[-1], "", repr(e)]
-                raise _ChainStopped(Receipt(stopped=True, failovers=[failed], error=repr(e))) from e
+            return self._collected(route.stages[-1], route.peers[-1], chained["parcel"], check, waited)
         finally:
             if waiting is not None:
                 waiting.cancel()  # a no-op once its parcel came
+
+    def _start_chain(
+        self, stage: int, tensors: list[runtime_pb2.Tensor], metadata: dict, batch: int
+    ) -> Optional[PendingCall]:
+        """A chained forward sent to the peer of its first stage that :meth:`_call` would try first, without waiting
+        for its receipt; None if the stage has no peer to take it now (:meth:`_first_hop` waits for one)."""
+        peer = self.router.choose(stage, batch)
+        return None if peer is None else self.router.start_call(stage, peer, "forward", tensors, metadata, batch)
+
+    def _first_hop(
+        self,
+        chain: Optional[PendingCall],
+        stage: int,
+        tensors: list[runtime_pb2.Tensor],
+        receipt: ReceiptCheck,
+        train: bool,
+        metadata: dict,
+    ) -> str:
+        """The peer whose receipt ``receipt`` read: ``chain``'s, or if that failed (or none was sent) another's, as
+        :meth:`_call` fails over (a broken chain and the caller's own fault excepted)."""
+        if chain is not None:
+            try:
+                self.router.finish(chain, receipt)
+                return chain.peer
+            except (*CALLERS_FAULT, ChainBrokenError):
+                raise
+            except Exception as e:  # counted and banned by finish, unless it was busy
+                log.debug("Stage %d: a chained forward on %s failed (%r): trying again", stage, chain.peer, e)
+        return self._call(stage, "forward", tensors, receipt, train, **metadata)[1]
+
+    def _read_receipt(self, route: Route, peer: str, receipt: Receipt) -> None:
+        """Take the peers of a chained forward's receipt, answered by ``peer``, into ``route``, and report its
+        failovers; :class:`_ChainStopped` if the chain stopped before its last hop."""
+        route.peers, stopped = [peer, *receipt.peers], receipt.stopped
+        if len(route.peers) > len(route.stages) - stopped or (len(route.peers) < len(route.stages) and not stopped):
+            raise BadReplyError(f"a receipt for {len(route.peers)} hops, expected {len(route.stages)}")
+        self._report(receipt)
+        if stopped:
+            raise _ChainStopped(receipt)
+
+    def _forward_receipt(self, route: Route, chain: PendingCall, receipt: ReceiptCheck, last: str) -> None:
+        """The receipt of a chained forward whose output ``last`` gave before it came, read into ``route``."""
+        self.router.finish(chain, receipt)
+        self._read_receipt(route, chain.peer, receipt.receipt)
+        if route.peers[-1] != last:
+            raise BadReplyError(f"a receipt naming {route.peers[-1]} for the last hop, whose output {last} gave")
+
+    def _collected(
+        self, stage: int, peer: str, parcel: str, check: ReplyCheck, waiting: Optional[PendingCall]
+    ) -> runtime_pb2.Tensor:
+        """A chained forward's output from its last hop's ``peer``; if that failed (counted as this router's failed
+        call), :class:`_ChainStopped` naming it."""
+        try:
+            return self._collect(stage, peer, parcel, check, waiting=waiting)
+        except CALLERS_FAULT:
+            raise
+        except Exception as e:
+            failed = [stage, "forward", peer, "", repr(e)]
+            raise _ChainStopped(Receipt(stopped=True, failovers=[failed], error=repr(e))) from e
+
+    @staticmethod
+    def _parcel_first(chain: PendingCall, waiting: Optional[PendingCall]) -> bool:
+        """Whether the collect ``waiting`` for a chain's parcel brought it before ``chain`` (the chained request)
+        brought back the receipt. Waits for the first of the two."""
+        if waiting is None or waiting.future is None or chain.future is None:
+            return False
+        first = concurrent.futures.FIRST_COMPLETED
+        concurrent.futures.wait([chain.future, waiting.future], timeout=chain.timeout, return_when=first)
+        came = waiting.future.done() and not waiting.future.cancelled() and waiting.future.exception() is None
+        return came and not chain.future.done()
+
+    def _read_later(self, chain: PendingCall, read: Callable[[], None]) -> Callable[[], None]:
+        """Run ``read`` (a chain's receipt, read) on a receipt thread once ``chain``'s answer is in; returns a wait
+        for it that raises what it raised. A receipt that fails is logged as it is read: a forward's route is
+        repaired when its backward needs it (:meth:`_settled`), a backward's gradient came already."""
+        outcome: Future = Future()
+
+        def run() -> None:
+            try:
+                read()
+                outcome.set_result(None)
+            except BaseException as e:
+                log.warning("A chain's receipt, read after its parcel came: %r", e)
+                outcome.set_exception(e)
+
+        def came(_: Future) -> None:  # on the RPC event loop's thread: the reading goes to a thread of its own
+            try:
+                self._receipts.submit(run)
+            except RuntimeError as e:  # this pipeline was closed
+                chain.cancel()
+                outcome.set_exception(e)
+
+        chain.future.add_done_callback(came)
+        return partial(outcome.result, chain.timeout + 1.0)
+
+    def _settled(self, route: Route) -> Route:
+        """``route`` once its chain's receipt was read, if its forward returned before (see :meth:`_chain_forward`);
+        if the receipt failed, the route of the microbatch's forward run again, relayed by this process, so that
+        its backward finds the graphs it needs."""
+        wait, route.receipt = route.receipt, None
+        if wait is None:
+            return route
+        try:
+            wait()
+            return route
+        except Exception as e:
+            log.warning("A chained forward's receipt failed after its output came (%r): running it again, relayed", e)
+            return route.redo(e)[1]
 
     def _chain_backward(
         self, hop: int, grad: runtime_pb2.Tensor, route: Route, loss_scale: Optional[float], landing: Landing
@@ -494,16 +620,24 @@ class RemotePipeline(nn.Module):
         the gradient parked for that hop and why (``""``: that peer dropped the graph). A parked gradient whose
         peer left before the trainer collected it is lost with the graphs the chain used up on its way: then it
         returns ``hop`` and ``grad`` again, to recompute from there. The first hop's peer is asked for the parcel
-        as the chain starts (:meth:`_wait_for_parcel`)."""
+        as the chain starts (:meth:`_wait_for_parcel`); if the parcel comes before the receipt, it returns then, and
+        the receipt is read once it comes."""
         onward = [{"stage": route.stages[i], "peer": route.peers[i], "kept": route.keys[i]} for i in range(hop)][::-1]
         metadata = {"codec": self.codec, "train": route.train, "kept": route.keys[hop], **self._chained(onward)}
         if loss_scale is not None:
             metadata["loss_scale"] = loss_scale
         receipt, batch, stage, peer = ReceiptCheck(), int(grad.size[0]), route.stages[hop], route.peers[hop]
         waiting = self._wait_for_parcel(route.stages[0], route.peers[0], metadata["parcel"])
+        first = route.inputs[0]
+        check = _check_at(landing, batch, first.size, compression.decoded_dtype(first), loss_scale is None)
         try:
             try:
-                self.router.call_peer(stage, peer, "backward", [grad], metadata, batch, receipt)
+                chain = self.router.start_call(stage, peer, "backward", [grad], metadata, batch)
+                if self._parcel_first(chain, waiting):
+                    self._read_later(chain, partial(self._backward_receipt, hop, route, chain, receipt))
+                    parked, failed = self._collect_parked(hop, route, 0, metadata["parcel"], check, waiting)
+                    return (-1, parked, check.decoded, "") if parked is not None else (hop, grad, None, failed)
+                self.router.finish(chain, receipt)
             except CALLERS_FAULT:
                 raise
             except ActivationsLostError:
@@ -511,26 +645,32 @@ class RemotePipeline(nn.Module):
             except Exception as e:
                 log.warning("Stage %d: backward on %s failed (%r): recomputing on another peer", stage, peer, e)
                 return hop, grad, None, e
-            self._report(receipt.receipt)
-            reached = hop - len(receipt.receipt.peers)  # the hop whose peer holds the parcel
-            expected = route.peers[max(reached, 0) : hop][::-1]
-            if (
-                receipt.receipt.peers != expected
-                or reached < int(receipt.receipt.stopped)
-                or (reached > 0 and not receipt.receipt.stopped)
-            ):
-                raise BadReplyError(f"a receipt naming peers {receipt.receipt.peers} from hop {hop}")
+            reached = self._backward_reached(hop, route, receipt.receipt)
             if receipt.receipt.stopped:
                 parked, failed = self._collect_parked(hop, route, reached, metadata["parcel"], ReplyCheck(batch))
                 if parked is None:
                     return hop, grad, None, failed
                 return reached - 1, parked, None, receipt.receipt.error
-            first = route.inputs[0]
-            check = _check_at(landing, batch, first.size, compression.decoded_dtype(first), loss_scale is None)
             parked, failed = self._collect_parked(hop, route, 0, metadata["parcel"], check, waiting)
             return (-1, parked, check.decoded, "") if parked is not None else (hop, grad, None, failed)
         finally:
             waiting.cancel()  # a no-op once its parcel came; else the chain stopped before the first hop
+
+    def _backward_reached(self, hop: int, route: Route, receipt: Receipt) -> int:
+        """The hop whose peer holds the parcel of a chained backward from ``hop``, as its receipt says, whose
+        failovers are reported; :class:`BadReplyError` if the receipt does not follow ``route``."""
+        self._report(receipt)
+        reached = hop - len(receipt.peers)
+        expected = route.peers[max(reached, 0) : hop][::-1]
+        if receipt.peers != expected or reached < int(receipt.stopped) or (reached > 0 and not receipt.stopped):
+            raise BadReplyError(f"a receipt naming peers {receipt.peers} from hop {hop}")
+        return reached
+
+    def _backward_receipt(self, hop: int, route: Route, chain: PendingCall, receipt: ReceiptCheck) -> None:
+        """The receipt of a chained backward from ``hop`` whose input gradient came before it, read."""
+        self.router.finish(chain, receipt)
+        if self._backward_reached(hop, route, receipt.receipt) != 0:
+            raise BadReplyError(f"a receipt of a chain that stopped, from hop {hop}, whose input gradient came")
 
     def _wait_for_parcel(self, stage: int, peer: str, parcel: str, batch: int = 0) -> PendingCall:
         """A collect of ``parcel`` from ``peer`` that waits there until the chain parks it, sent with the chained
@@ -609,6 +749,7 @@ class RemotePipeline(nn.Module):
         the first hop's input gradient is decoded (at ``landing``).
         A stage that finds NaN or Inf in the gradient relayed to it (never under a loss scale, where NaN reports an
         overflow) blames the peer that computed it: that hop runs again on another peer."""
+        route = self._settled(route)
         if any(hidden is None for hidden in route.inputs):
             return self._backward_chain_route(grad, route, loss_scale, landing)
         grads = [grad]

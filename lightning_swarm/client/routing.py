@@ -185,9 +185,10 @@ class PendingCall:
         self._settled = False
 
     def result(self) -> Reply:
-        """The reply, waited for up to the call's timeout (the request's, and a failed direct try's)."""
+        """The reply, waited for until the call's timeout (the request's, and a failed direct try's) from when it
+        was sent."""
         try:
-            reply = self.future.result(self.timeout)
+            reply = self.future.result(max(0.0, self._start + self.timeout - time.perf_counter()))
         except concurrent.futures.TimeoutError:
             self.future.cancel()
             raise

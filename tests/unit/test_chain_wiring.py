@@ -555,3 +555,96 @@ def test_a_collect_waits_for_its_parcel_up_to_its_wait_and_a_bounded_number_wait
     for bad in (-1.0, "5", True, 1e9):
         with pytest.raises(SwarmRequestError):
             collect_wait({"collect": "k", "wait": bad})
+
+
+class HoldsReceipts:
+    """A stage peer that serves as ``server`` does, but holds back its answer to each chained request (its receipt)
+    until ``release`` is set, as a long way back along the chain would; then answers it, or with ``fail``, fails
+    it. ``held``: the receipts it holds now; ``calls``: the requests it had, by kind."""
+
+    def __init__(self, server: StageServer, release: threading.Event, fail: bool = False) -> None:
+        self.server, self.release, self.fail = server, release, fail
+        self.held, self.calls = 0, {"forward": 0, "backward": 0}
+
+    async def answer_tensors(self, kind, request, caller):
+        self.calls[kind] += 1
+        reply = await self.server.answer_tensors(kind, request, caller)
+        if "parcel" in protocol.decode_metadata(request.metadata):
+            self.held += 1
+            try:
+                while not self.release.is_set():
+                    await asyncio.sleep(0.01)
+            finally:
+                self.held -= 1
+            if self.fail:
+                raise StageFailedError("this peer's answer was lost")
+        return reply
+
+
+def test_the_output_and_the_input_gradient_come_before_their_receipts_and_the_backward_waits_for_the_peers():
+    """A chain's parcel comes back while the receipt is still on its way back along the chain (held here at the
+    peer the trainer called): the forward returns the exact output then, and the backward returns the exact input
+    gradient then. The backward of a forward whose receipt is still out waits for it (it names the peers that
+    kept the forwards), and sends nothing to the stages before."""
+    servers = [stage(k) for k in range(3)]
+    modules = [s.module for s in servers]
+    x = torch.randn(8, 8)
+    expected = plain(modules, x)
+    forward_receipts, backward_receipts = threading.Event(), threading.Event()
+    router = swarm([{f"p{k}": s} for k, s in enumerate(servers)])
+    first = router.servers["p0"] = HoldsReceipts(servers[0], forward_receipts)
+    last = router.servers["p2"] = HoldsReceipts(servers[2], backward_receipts)
+    try:
+        x_ = x.clone().requires_grad_()
+        y = pipeline(router, modules)(x_)
+        wait_for(lambda: first.held == 2)  # both microbatches' outputs came while their receipts were held
+        torch.testing.assert_close(y, expected[0], rtol=0, atol=0)
+        backward = threading.Thread(target=lambda: y.square().sum().backward())
+        backward.start()
+        time.sleep(0.3)
+        assert backward.is_alive() and last.calls["backward"] == 0  # it waits for the receipts: no peers yet
+        forward_receipts.set()
+        backward.join(60)
+        assert not backward.is_alive()
+        torch.testing.assert_close(x_.grad, expected[1], rtol=0, atol=0)
+        assert last.calls["backward"] == 2  # and the input gradients came before the receipts, still held:
+        wait_for(lambda: last.held == 2)
+        backward_receipts.set()
+        wait_for(lambda: last.held == 0)
+        assert router.stats.failed == {} and router.stats.failovers == router.stats.recomputed == 0
+        assert all(len(s.kept) == 0 and s.onward.parcels.waiting == len(s.onward.parcels) == 0 for s in servers)
+    finally:
+        forward_receipts.set()
+        backward_receipts.set()
+        shutdown(router)
+
+
+def test_a_receipt_lost_after_the_output_came_makes_the_backward_run_the_forward_again_relayed():
+    """The chain's output came, then the peer the trainer called failed to answer (its receipt lost): the peers
+    that kept the forwards are unknown, so the backward runs the microbatch's forward again, relayed by the
+    trainer and kept on the peers it used (the failed peer banned), and goes back along that route. The input
+    gradient is exact, and the failover and the failed call are counted."""
+    servers = [stage(k) for k in range(3)]
+    modules = [s.module for s in servers]
+    spare = stage(0, servers[0].module)  # the same weights
+    x = torch.randn(4, 8)
+    expected = plain(modules, x, microbatches=1)
+    receipts = threading.Event()
+    router = swarm([{"p0": servers[0], "p0b": spare}, {"p1": servers[1]}, {"p2": servers[2]}], first=("p0",))
+    failing = router.servers["p0"] = HoldsReceipts(servers[0], receipts, fail=True)
+    try:
+        x_ = x.clone().requires_grad_()
+        y = pipeline(router, modules, microbatches=1)(x_)
+        wait_for(lambda: failing.held == 1)  # the output came first
+        torch.testing.assert_close(y, expected[0], rtol=0, atol=0)
+        receipts.set()
+        y.square().sum().backward()
+        torch.testing.assert_close(x_.grad, expected[1], rtol=0, atol=0)
+        assert router.stats.failed == {"p0": 1} and router.banned("p0")
+        assert router.stats.failovers == 1 and router.stats.chosen.get("p0b") == 2  # the forward again, its backward
+        assert len(spare.kept) == 0  # the relayed forward's graph, used by its backward
+        assert len(servers[1].kept) == 1  # the chain's, which nobody can name now: left to expire
+    finally:
+        receipts.set()
+        shutdown(router)
+        spare.shutdown()
