@@ -496,7 +496,10 @@ class RemotePipeline(nn.Module):
             if chain is not None and self._parcel_first(chain, waiting):
                 route.receipt = self._read_later(chain, partial(self._forward_receipt, route, chain, receipt, last))
                 return self._collected(route.stages[-1], last, chained["parcel"], check, waiting)
-            peer = self._first_hop(chain, route.stages[0], tensors, receipt, route.train, metadata)
+            # the first attempt's receipt, or another peer's where it failed, as any call fails over
+            _, peer = self.router.call(
+                route.stages[0], "forward", tensors, metadata, check.batch, check=receipt, sent=chain
+            )
             self._read_receipt(route, peer, receipt.receipt)
             waited = waiting if route.peers[-1] == last else None  # else the hop before failed over from it
             return self._collected(route.stages[-1], route.peers[-1], chained["parcel"], check, waited)
@@ -507,31 +510,10 @@ class RemotePipeline(nn.Module):
     def _start_chain(
         self, stage: int, tensors: list[runtime_pb2.Tensor], metadata: dict, batch: int
     ) -> Optional[PendingCall]:
-        """A chained forward sent to the peer of its first stage that :meth:`_call` would try first, without waiting
-        for its receipt; None if the stage has no peer to take it now (:meth:`_first_hop` waits for one)."""
+        """A chained forward sent to the peer of its first stage that a call would try first, without waiting for
+        its receipt; None if the stage has no peer to take it now (the call waits for one)."""
         peer = self.router.choose(stage, batch)
         return None if peer is None else self.router.start_call(stage, peer, "forward", tensors, metadata, batch)
-
-    def _first_hop(
-        self,
-        chain: Optional[PendingCall],
-        stage: int,
-        tensors: list[runtime_pb2.Tensor],
-        receipt: ReceiptCheck,
-        train: bool,
-        metadata: dict,
-    ) -> str:
-        """The peer whose receipt ``receipt`` read: ``chain``'s, or if that failed (or none was sent) another's, as
-        :meth:`_call` fails over (a broken chain and the caller's own fault excepted)."""
-        if chain is not None:
-            try:
-                self.router.finish(chain, receipt)
-                return chain.peer
-            except (*CALLERS_FAULT, ChainBrokenError):
-                raise
-            except Exception as e:  # counted and banned by finish, unless it was busy
-                log.debug("Stage %d: a chained forward on %s failed (%r): trying again", stage, chain.peer, e)
-        return self._call(stage, "forward", tensors, receipt, train, **metadata)[1]
 
     def _read_receipt(self, route: Route, peer: str, receipt: Receipt) -> None:
         """Take the peers of a chained forward's receipt, answered by ``peer``, into ``route``, and report its

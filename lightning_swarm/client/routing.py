@@ -353,6 +353,7 @@ class StageRouter:
         report: Optional[Callable[[events.Failover], None]] = None,
         wait_timeout: Optional[float] = None,
         deadline: Optional[float] = None,
+        sent: Optional[PendingCall] = None,
     ) -> tuple[Reply, str]:
         """Run ``method`` of ``stage`` on some peer, failing over to others; returns the reply and the peer used.
 
@@ -363,7 +364,8 @@ class StageRouter:
         to ``report`` instead of this router's counters and events, if given, and then the failed calls behind it
         are not counted here either: whoever gets the report counts them (it also hears of the last failed call
         when the call fails, as a failover ``retried_on`` no peer: ``""``). With a ``deadline`` (``time.monotonic()``),
-        each attempt waits at most what is left of it, and none starts after it (:class:`TimeoutError`).
+        each attempt waits at most what is left of it, and none starts after it (:class:`TimeoutError`). ``sent``:
+        the first attempt, sent already (:meth:`start_call`).
         """
         wait_timeout = self.stage_wait_timeout if wait_timeout is None else wait_timeout
         if prefer is not None and (self._banned(stage, prefer) or self._left(stage, prefer)):
@@ -375,7 +377,7 @@ class StageRouter:
             while True:
                 self._time_left(deadline, stage, last_error)  # waiting for a peer, too, ends at the deadline
                 peer = prefer if failures + busy == 0 and waiting_since is None and prefer is not None else None
-                peer = peer or self.choose(stage, batch, exclude=frozenset(tried))
+                peer = sent.peer if sent is not None else peer or self.choose(stage, batch, exclude=frozenset(tried))
                 if peer is None:
                     self.refresh(stage, force=True)
                     peer = self.choose(stage, batch, exclude=frozenset(tried))
@@ -392,7 +394,11 @@ class StageRouter:
                 # expired yet) must not restart the count towards stage_wait_timeout
                 try:
                     timeout, count = self._time_left(deadline, stage, last_error), report is None
-                    reply = self.call_peer(stage, peer, method, tensors, metadata, batch, check, count, timeout)
+                    if sent is not None:
+                        attempt, sent = sent, None
+                        reply = self.finish(attempt, check, count)
+                    else:
+                        reply = self.call_peer(stage, peer, method, tensors, metadata, batch, check, count, timeout)
                     if last_error is not None:
                         self.failed_over(stage, method, failed_peer, peer, last_error, report)
                     return reply, peer
@@ -421,6 +427,9 @@ class StageRouter:
             if report is not None and failed_peer is not None and not isinstance(last_error, StageBusyError):
                 report(events.Failover(stage, method, failed_peer, "", repr(last_error)))  # made up for by no peer
             raise
+        finally:
+            if sent is not None:  # never waited for (its deadline had passed)
+                sent.cancel()
 
     def failed_over(
         self,

@@ -648,3 +648,22 @@ def test_a_receipt_lost_after_the_output_came_makes_the_backward_run_the_forward
         receipts.set()
         shutdown(router)
         spare.shutdown()
+
+
+def test_a_chain_whose_first_peer_fails_is_sent_again_to_another_peer_of_the_first_stage():
+    """The first stage's peer the trainer sent the chained forward to fails: the forward goes to another peer of
+    that stage, still stage to stage, the failover and the failed call counted as for any call; exact."""
+    servers = [stage(k) for k in range(3)]
+    modules = [s.module for s in servers]
+    x = torch.randn(8, 8)
+    failing = Failing()
+    router = swarm([{"p0": failing, "p0b": servers[0]}, {"p1": servers[1]}, {"p2": servers[2]}], first=("p0",))
+    try:
+        got = run(pipeline(router, modules, microbatches=1), x)
+        expected = plain(modules, x, microbatches=1)
+        torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
+        assert failing.calls == 1 and router.stats.failed == {"p0": 1} and router.banned("p0")
+        assert router.stats.failovers == 1 and router.stats.chained == 1
+    finally:
+        shutdown(router)
