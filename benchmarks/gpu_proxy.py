@@ -28,6 +28,11 @@ its timed ones. Per phase:
     python benchmarks/gpu_proxy.py --updates delayed # the strategy's default updates (~7 min)
     python benchmarks/gpu_proxy.py --quick           # ~1 min smoke: d_model 1024, 2 and 4 microbatches
 
+``--only D,T,M --batches N`` runs one swarm of one phase (d_model D, target T, M microbatches or "auto"), to compare
+two worktrees' code run after run; ``--latency-ms L`` makes every message between peers (requests, hand-ons,
+collects and their replies) arrive L ms late (``added_latency/sitecustomize.py``: netem is not available here), as
+links with that latency would; neither writes the results file unless ``--out`` is given.
+
 ``--keep DIR`` saves each swarm's timeline (every kernel, copy, sync and swarm event, numpy) and CPU samples, to look
 into a profile beyond the tables (``load_kept`` and ``analyse`` read them back); ``--bf16`` takes bf16-mixed's
 block times.
@@ -42,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import runpy
 import statistics
 import subprocess
 import sys
@@ -66,6 +72,7 @@ H100_BF16 = {1024: (0.312e-3, 0.711e-3), 2048: (0.507e-3, 0.945e-3)}
 N_LAYER, BATCH, BLOCK, VOCAB = 8, 8, 512, 96
 PROCS = {"stage0": 0, "stage1": 1, "trainer": emu.TRAINER}
 IDLE = ("queued", "step", "between_batches", "in_flight")
+LATENCY_HOOK = ROOT / "benchmarks" / "added_latency"
 HOP_PARTS = (
     "sender_finish",  # compute end -> the worker answered (0 when it answered before the device was done)
     "sender_encode",  # -> the reply left the handler (its wait for the compute, quantize, copy to the host, join)
@@ -102,6 +109,8 @@ def peer_main(argv: list[str]) -> None:
     )
     emu.install(device)
     emu.instrument(device)
+    if os.environ.get("SLOW_LINKS_MESSAGE_LATENCY_MS"):
+        runpy.run_path(str(LATENCY_HOOK / "sitecustomize.py"))  # as Python would at start-up, were it on the path
 
     class ProxyGPT(L.LightningModule):
         def __init__(self) -> None:
@@ -268,8 +277,10 @@ def run_swarm(
     calibration: emu.Calibration,
     timeout: float,
     delayed: bool = False,
+    latency_ms: float = 0.0,
 ) -> dict:
-    """One swarm: two stage peers, a trainer running ``phases``; returns the timeline's records and the CPU samples."""
+    """One swarm: two stage peers, a trainer running ``phases``; returns the timeline's records and the CPU samples.
+    ``latency_ms``: added to every message between the peers (module docstring)."""
     run_id = f"proxy{d_model}_{target}"
     path = work / f"{run_id}.timeline"
     emu.Timeline.create(path)
@@ -283,6 +294,8 @@ def run_swarm(
         "GPU_PROXY_TIMELINE": str(path),
         "GPU_PROXY_CALIBRATION": calibration.to_env(),
     }
+    if latency_ms > 0:
+        env["SLOW_LINKS_MESSAGE_LATENCY_MS"] = str(latency_ms)  # peer_main applies it
     batches = sum(p.get("max_warmup", p["warmup"]) + p["batches"] for p in phases) + 5
     args = ["--peer", "--d-model", str(d_model), "--max-steps", str(batches)]
     started = time.monotonic()
@@ -454,6 +467,7 @@ def analyse(run: dict, phases: list[dict], calibration: emu.Calibration, d_model
                     for name, (t0, t1) in zip(HOP_PARTS, zip(stamps, stamps[1:])):
                         parts[name].append(t1 - t0)
         cpu = _cpu_per_batch(run, r, start, end, n)
+        ends = _pipeline_ends(r, start, end)
         microbatches = phase["microbatches"]
         count = int(timed[-1]["value"]) if microbatches == "auto" else int(microbatches)
         numel = BATCH // max(count, 1) * BLOCK * d_model
@@ -495,6 +509,7 @@ def analyse(run: dict, phases: list[dict], calibration: emu.Calibration, d_model
                     "parts_mean": {k: statistics.fmean(v) for k, v in parts.items() if v},
                 },
                 "cpu": cpu,
+                "ends": ends,
                 "steps_per_batch": {name: int((stepped & (r["proc"] == p)).sum()) / n for name, p in PROCS.items()},
                 "window": [start, end],
             }
@@ -537,6 +552,26 @@ def _hop_stamps(src, dst, code, last, first, serve, handovers, answer, calls, ch
         ]
     except KeyError:
         return None
+
+
+def _pipeline_ends(r: Any, start: float, end: float) -> dict[str, Optional[float]]:
+    """The ends of the pipeline within ``[start, end]``, p50 seconds: from the last stage's last forward kernel to
+    the trainer's forward through the stages returning (the output decoded), and from the first stage's last
+    backward kernel to the trainer's backward returning (the input gradient decoded)."""
+    kind, proc, out = r["kind"], r["proc"], {}
+    for name, pipe, block, stage in (
+        ("forward", emu.PIPE_FORWARD, emu.BLOCK_FORWARD, STAGES - 1),
+        ("backward", emu.PIPE_BACKWARD, emu.BLOCK_BACKWARD, 0),
+    ):
+        pipes = r[(kind == pipe) & (proc == emu.TRAINER) & (r["t0"] >= start) & (r["t1"] <= end)]
+        ends = r["t1"][(kind == block) & (proc == stage)]
+        gaps = []
+        for p in pipes:
+            inside = ends[(ends >= p["t0"]) & (ends <= p["t1"])]
+            if len(inside):
+                gaps.append(float(p["t1"] - inside.max()))
+        out[name] = statistics.median(gaps) if gaps else None
+    return out
 
 
 def _cpu_per_batch(run: dict, r: Any, start: float, end: float, n: int) -> dict:
@@ -761,10 +796,16 @@ PROFILE = [
     "microbatches",
     "queued: at worker / in queue / decoding",
     "turnaround: between batches / in flight",
+    "pipeline ends p50: forward / backward",
     "step",
     "framework CPU: stage 0 / stage 1 / trainer",
     "helpers' CPU",
 ]
+
+
+def ends_cell(row: dict) -> str:
+    """A row's pipeline ends, forward / backward, in ms."""
+    return " / ".join("-" if v is None else f"{1e3 * v:.1f}" for v in row["ends"].values())
 
 
 def profile_rows(rows: list[dict]) -> list[list[str]]:
@@ -777,6 +818,7 @@ def profile_rows(rows: list[dict]) -> list[list[str]]:
         out.append(
             [str(r["d_model"]), str(r["target"]), mb]
             + [ms(q["at_worker"], q["in_queue"], q["decoding"]), ms(idle["between_batches"], idle["in_flight"])]
+            + [ends_cell(r)]
             + [ms(idle["step"]), ms(*(cpu[n]["framework"] for n in PROCS if n in cpu))]
             + [ms(*(cpu[n]["helpers"] for n in PROCS if n in cpu))]
         )
@@ -843,7 +885,9 @@ def write(runs: list[dict], path: Path) -> None:
         *table(HEADER, summary_rows(rows)),
         "",
         "Where it went, ms per batch: the device's idle time while a request was queued, by where the request was "
-        "(its stage's worker had it, it waited in the fair queue, it was being decoded), turnarounds and steps; "
+        "(its stage's worker had it, it waited in the fair queue, it was being decoded), turnarounds, the pipeline's "
+        "ends (from the last stage's last forward kernel to the trainer's output, and from the first stage's last "
+        "backward kernel to the trainer's input gradient; p50) and steps; "
         "each process's framework CPU and its helper processes' CPU (p2pd, hivemind's DHT and averagers).",
         "",
         *table(PROFILE, profile_rows(rows)),
@@ -894,8 +938,13 @@ def commit() -> Optional[str]:
 # ---- main ---------------------------------------------------------------------------------------------------------
 
 
-def plan(quick: bool, timed: Optional[int]) -> list[tuple[int, int, list[dict]]]:
-    """(d_model, target, phases) per swarm."""
+def plan(quick: bool, timed: Optional[int], only: Optional[str] = None) -> list[tuple[int, int, list[dict]]]:
+    """(d_model, target, phases) per swarm; ``only``: ``"D,T,M"``, one swarm of one phase."""
+    if only is not None:
+        d_model, target, microbatches = only.split(",")
+        phase = {"microbatches": microbatches if microbatches == "auto" else int(microbatches), "warmup": 4}
+        phase |= {"max_warmup": 100} if microbatches == "auto" else {}
+        return [(int(d_model), int(target), [{**phase, "batches": timed or 30}])]
     if quick:
         phases = [{"microbatches": m, "warmup": 2, "batches": timed or 3} for m in (2, 4)]
         return [(1024, BATCH, phases)]
@@ -925,6 +974,8 @@ def main() -> None:
     parser.add_argument("--label", default="today's code", help="this run's name in the results' table of runs")
     parser.add_argument("--timeout", type=float, default=400.0, help="seconds one swarm may take")
     parser.add_argument("--keep", help="save each swarm's timeline records and CPU samples into this folder (.npz)")
+    parser.add_argument("--only", help='one swarm of one phase: "D,T,M" (d_model, target, microbatches or auto)')
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="added to every message between peers")
     a = parser.parse_args()
     began, load = time.monotonic(), os.getloadavg()
     launch = measure_launch()
@@ -935,9 +986,10 @@ def main() -> None:
     )
     rows, checks = [], []
     with tempfile.TemporaryDirectory(prefix="gpu_proxy_") as tmp:
-        for d_model, target, phases in plan(a.quick, a.batches):
+        for d_model, target, phases in plan(a.quick, a.batches, a.only):
             calibration = calibration_for(d_model, a.bf16, launch)
-            run = run_swarm(Path(tmp), d_model, target, phases, calibration, a.timeout, a.updates == "delayed")
+            delayed = a.updates == "delayed"
+            run = run_swarm(Path(tmp), d_model, target, phases, calibration, a.timeout, delayed, a.latency_ms)
             results = analyse(run, phases, calibration, d_model, target)
             if a.keep:
                 keep(Path(a.keep), f"{d_model}_{target}_{a.updates}", run, phases)
@@ -947,7 +999,8 @@ def main() -> None:
             for r in results:
                 print(
                     f"d_model {d_model} target {target} microbatches {r['microbatches']} ({r['count']}): "
-                    f"E {r['E']:.3f}, ideal {1e3 * r['ideal']:.1f} ms, actual {1e3 * r['actual']:.1f} ms",
+                    f"E {r['E']:.3f}, ideal {1e3 * r['ideal']:.1f} ms, actual {1e3 * r['actual']:.1f} ms, "
+                    f"pipeline ends {ends_cell(r)} ms",
                     flush=True,
                 )
             print(
@@ -960,6 +1013,8 @@ def main() -> None:
     print(f"\nfull run: {seconds:.0f} s")
     command = "python benchmarks/gpu_proxy.py" + (" --quick" if a.quick else "") + (" --bf16" if a.bf16 else "")
     command += " --updates delayed" if a.updates == "delayed" else ""
+    command += f" --only {a.only}" if a.only else ""
+    command += f" --latency-ms {a.latency_ms:g}" if a.latency_ms else ""
     run_entry = {
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "commit": commit(),
@@ -975,7 +1030,7 @@ def main() -> None:
         "checks": checks,
         "targets": targets(rows),
     }
-    out = Path(a.out) if a.out else (None if a.quick else RESULTS)
+    out = Path(a.out) if a.out else (None if a.quick or a.only or a.latency_ms else RESULTS)
     if out is None:
         return
     data = out.parent / "results" / "gpu_proxy.json"

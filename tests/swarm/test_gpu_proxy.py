@@ -177,11 +177,13 @@ def test_two_processes_share_the_timeline(tmp_path):
 
 
 def test_gpu_proxy_quick(tmp_path):
-    """``gpu_proxy.py --quick``: the device was busy exactly for the kernels the run launched, the blocks for the
-    calibrated time of the samples the trainer trained (each stage computed each sample forward and backward), and
-    each phase's figures add up: busy and idle time make its wall time, the idle parts its idle time."""
+    """``gpu_proxy.py --quick``, with 10 ms added to every message between peers: the device was busy exactly for
+    the kernels the run launched, the blocks for the calibrated time of the samples the trainer trained (each stage
+    computed each sample forward and backward), and each phase's figures add up: busy and idle time make its wall
+    time, the idle parts its idle time; each end of the pipeline took at least the one message it waits for."""
     out = tmp_path / "RESULTS.md"
     command = [sys.executable, str(ROOT / "benchmarks" / "gpu_proxy.py"), "--quick", "--out", str(out)]
+    command += ["--latency-ms", "10"]
     result = subprocess.run(command, timeout=400, capture_output=True, text=True, start_new_session=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run = json.loads((tmp_path / "results" / "gpu_proxy.json").read_text())["runs"][-1]
@@ -203,6 +205,7 @@ def test_gpu_proxy_quick(tmp_path):
         gaps = row["queued_gaps"]
         assert gaps["at_worker"] + gaps["in_queue"] + gaps["decoding"] == pytest.approx(idle["queued"], abs=1e-9)
         assert row["hops"]["count"] > 0 and row["hops"]["p50"] > 0, row
+        assert all(0.010 <= end < row["actual"] for end in row["ends"].values()), row  # the parcel's way back
         assert set(row["cpu"]) == {"stage0", "stage1", "trainer"}
         assert all(math.isfinite(c["framework"]) and c["holds"] >= 0 for c in row["cpu"].values()), row
     text = out.read_text()
