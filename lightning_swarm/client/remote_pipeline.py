@@ -347,8 +347,10 @@ class RemotePipeline(nn.Module):
         count = self.tuner.count(size)
         if batched and inputs.ndim > 1 and inputs.shape[1] == size:
             count = 1
-        pieces = {id(t): t.chunk(count) for t in batched}
         xs = inputs.chunk(count)
+        if not batched:  # each microbatch's calls are the batch's
+            return [(x, calls) for x in xs]
+        pieces = {id(t): t.chunk(count) for t in batched}
         return [(x, [_slice_call(call, pieces, i) for call in calls]) for i, x in enumerate(xs)]
 
     def _side_requests(
