@@ -128,6 +128,9 @@ def test_stage_server_behind_nat(hosts, host_swarm, tmp_path):
     final = history(record)
     nated = stage1.addresses()[0].rsplit("/", 1)[-1]
     assert final["steps"] == steps and final["failovers"] == 0
-    # no failed call: every call to the server behind NAT went over libp2p (it advertises no direct path)
-    assert 0 < final["calls_per_peer"][nated] <= final["p2p_calls"]
+    # no failed call: every call to the server behind NAT went over libp2p (it advertises no direct path), or is
+    # still on its way: the receipts of the last backwards, which the trainer goes on without
+    answered = final["direct_calls"] + final["p2p_calls"] + sum(final["failed_calls_per_peer"].values())
+    unanswered = sum(final["calls_per_peer"].values()) - answered
+    assert 0 <= unanswered and 0 < final["calls_per_peer"][nated] <= final["p2p_calls"] + unanswered, final
     assert final["direct_calls"] > 0  # stage 0's
