@@ -782,11 +782,11 @@ def instrument(device: Union[EmulatedDevice, HostRecorder]) -> None:
         timeline.record(t, t, proc, SUBMIT, key_of(key), value=task.batch, extra=REQUEST_KINDS.get(task.kind, 0))
         return submit(self, caller, task, key, owner)
 
-    def served(self, tasks: list) -> None:
+    def served(self, tasks: list) -> Any:
         start, code, key = now(), REQUEST_KINDS.get(tasks[0].kind, 0), tasks[0].key
         device.set_request(key_of(key), code)
         try:
-            serve(self, tasks)
+            return serve(self, tasks)
         finally:
             device.set_request(0, 0)
             batch = sum(task.batch for task in tasks)
