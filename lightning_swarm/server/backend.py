@@ -160,7 +160,7 @@ class StageBackend:
     def _backward_kept(
         self, key: tuple[str, str], grad_outputs: torch.Tensor, loss_scale: Optional[float]
     ) -> tuple[torch.Tensor, bool]:
-        kept = self.kept.pop(key)
+        kept = self.kept.pop(key, backward_of=key[0])
         if kept is None:
             raise ActivationsLostError(f"stage {self.stage} no longer holds this forward's activations")
         if kept.params_version != self._params_version():

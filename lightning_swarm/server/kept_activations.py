@@ -3,9 +3,13 @@
 Backward is cheapest on the peer that ran the forward: it still holds the autograd graph, so it neither
 recomputes the forward nor needs the stage's input sent again. Those graphs hold memory, so they are kept for a
 bounded time and up to a bounded number of bytes (what autograd saved, counted as it saves it, plus the stage's
-input and output). Past the byte cap, the caller that holds the most bytes gives up its oldest forward first, so
-that one caller's flood of forwards cannot push out the graphs of the others. A backward whose graph was dropped
-falls back to recomputation from the input.
+input and output). Past the byte cap, a caller gives up its oldest forward first: the one that holds the most bytes
+for the share of its recent forwards whose backward came (kept or not by then; a new caller starts with the benefit
+of the doubt). So a caller that keeps forwards and never sends their backward (a flood, or a trainer that died)
+loses them before a trainer that does, even one that holds more (its backward trailing behind its next batch's
+forwards); between callers that send their backwards, the one that holds the most gives up first. The share counts
+what the callers did, not what the cap took from them, so a trainer that lost forwards to the cap is not held
+against for it. A backward whose graph was dropped falls back to recomputation from the input.
 
 The default bound (:func:`default_max_bytes`) is a fraction of the accelerator's free memory when the server
 starts, measured after the stage's parameters and optimizer state were allocated; on the CPU it stays 1 GiB.
@@ -36,9 +40,14 @@ class Kept:
     owner: Hashable = None  # the caller whose forward it is: the cap is shared fairly between callers
 
 
+PRIOR_FORWARDS = 8.0  # forwards an owner not seen yet is counted as having sent the backward of
+DECAY = 0.99  # the weight of an owner's earlier forwards at each new one: its record spans ~100 forwards
+MAX_OWNERS = 1024  # records kept; past it, those of owners holding nothing are forgotten
+
+
 class KeptActivations:
     """Forward passes waiting for their backward, bounded by ``max_bytes`` and ``ttl`` seconds; past ``max_bytes``,
-    the owner holding the most bytes loses its oldest forward first."""
+    the owner holding the most bytes for the share of its forwards whose backward came loses its oldest first."""
 
     def __init__(self, max_bytes: int, ttl: float) -> None:
         self.max_bytes, self.ttl = max_bytes, ttl
@@ -46,6 +55,7 @@ class KeptActivations:
         self.dropped = 0  # forward passes dropped before their backward came (time or memory)
         self._entries: OrderedDict[Hashable, Kept] = OrderedDict()
         self._owned: dict[Hashable, int] = {}  # owner -> bytes it holds
+        self._record: dict[Hashable, list[float]] = {}  # owner -> [its recent forwards, their backwards that came]
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -55,11 +65,20 @@ class KeptActivations:
         """Bytes the forwards of ``owner`` hold."""
         return self._owned.get(owner, 0)
 
+    def use(self, owner: Hashable) -> float:
+        """The share of ``owner``'s recent forwards whose backward came (1.0 for an owner not seen yet)."""
+        forwards, backwards = self._record.get(owner, (0.0, 0.0))
+        return (backwards + PRIOR_FORWARDS) / (forwards + PRIOR_FORWARDS)
+
     def put(self, key: Hashable, kept: Kept) -> None:
         """Keep ``kept`` under ``key`` (replacing what the key held); past the cap, drop the oldest entries of the
-        owner that holds the most bytes."""
+        owner that holds the most bytes for the share of its forwards whose backward came."""
         with self._lock:
             self._remove(key)
+            record = self._record.setdefault(kept.owner, [0.0, 0.0])
+            record[0], record[1] = DECAY * record[0] + 1, DECAY * record[1]
+            if len(self._record) > MAX_OWNERS:
+                self._record = {o: r for o, r in self._record.items() if o in self._owned or o == kept.owner}
             if kept.nbytes > self.max_bytes:
                 self.dropped += 1
                 return
@@ -67,12 +86,17 @@ class KeptActivations:
             self.nbytes += kept.nbytes
             self._owned[kept.owner] = self._owned.get(kept.owner, 0) + kept.nbytes
             while self.nbytes > self.max_bytes:
-                greediest = max(self._owned, key=self._owned.__getitem__)
+                greediest = max(self._owned, key=lambda owner: self._owned[owner] / self.use(owner))
                 self._remove(next(k for k, e in self._entries.items() if e.owner == greediest))
                 self.dropped += 1
 
-    def pop(self, key: Hashable) -> Optional[Kept]:
+    def pop(self, key: Hashable, backward_of: Hashable = None) -> Optional[Kept]:
+        """The forward kept under ``key`` (None if there is none, or no more), taken back. ``backward_of``: the
+        owner whose backward came for it, counted in its record whether the forward was still kept or not."""
         with self._lock:
+            if backward_of in self._record:
+                record = self._record[backward_of]
+                record[1] = min(record[1] + 1, record[0])
             return self._remove(key)
 
     def expire(self) -> None:
@@ -87,6 +111,7 @@ class KeptActivations:
         with self._lock:
             self._entries.clear()
             self._owned.clear()
+            self._record.clear()
             self.nbytes = 0
 
     def _remove(self, key: Hashable) -> Optional[Kept]:

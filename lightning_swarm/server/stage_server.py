@@ -95,8 +95,8 @@ class StageServer(StageService):
         max_request_samples: requests claiming more samples (their first dimension) are refused; also the most
             samples of inference forwards run together in one batch.
         max_activation_bytes: memory for the graphs of training forwards awaiting their backward (what autograd
-            saved, and the stage's input and output; past it, the caller holding the most gives up its oldest, and
-            their backward recomputes).
+            saved, and the stage's input and output; past it, the caller holding the most for the share of its
+            forwards whose backward came gives up its oldest, and their backward recomputes).
             None: half of the device's free memory when the server starts (CUDA), 1 GiB on the CPU; for an
             out-of-core stage, half of what its plan leaves of the device-memory budget.
         activation_timeout: seconds such a graph is kept at most.

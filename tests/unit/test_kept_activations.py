@@ -144,9 +144,47 @@ def test_past_the_cap_the_caller_holding_the_most_gives_way():
         kept.put(("honest", f"h{i}"), entry("honest"))
     for i in range(50):
         kept.put(("flooder", f"f{i}"), entry("flooder"))
-    assert [kept.pop(("honest", f"h{i}")) is not None for i in range(3)] == [True] * 3
+    assert [kept.pop(("honest", f"h{i}"), backward_of="honest") is not None for i in range(3)] == [True] * 3
     assert kept.owned("flooder") == 700 and kept.nbytes == 700 and kept.dropped == 43
     assert kept.pop(("flooder", "f42")) is None and kept.pop(("flooder", "f43")) is not None
-    for i in range(10):  # the honest caller now needs more: the flooder still holds the most
-        kept.put(("honest", f"again{i}"), entry("honest"))
-    assert kept.owned("honest") == 500 and kept.owned("flooder") == 500
+    for i in range(10):  # the honest caller now needs the whole cap: the flooder, which sent no backward, gives way
+        kept.put(("honest", f"again{i}"), entry("honest"))  # until the honest one holds far more
+    assert kept.owned("honest") == 800 and kept.owned("flooder") == 200
+
+
+def test_a_trainer_that_sends_its_backwards_outlasts_a_flooder_while_holding_more():
+    """A trainer whose backward trails holds two batches of forwards, more than a flooder does: past the cap the
+    flooder, which never sent a backward, still gives way. A backward counts for its trainer whether its forward was
+    still kept or not (the cap's choices are not held against it); a forward taken back otherwise (its input refused)
+    does not count. Between trainers that send their backwards, the one holding the most gives way, oldest first."""
+    kept = KeptActivations(max_bytes=1000, ttl=60.0)
+
+    def entry(owner: str) -> Kept:
+        return Kept(torch.zeros(1), torch.zeros(1), nbytes=100, params_version=0, owner=owner)
+
+    for batch in range(20):  # the trainer's forwards so far all had their backward
+        for i in range(4):
+            kept.put(("trainer", (batch, i)), entry("trainer"))
+        for i in range(4):
+            assert kept.pop(("trainer", (batch, i)), backward_of="trainer") is not None
+    for i in range(300):
+        kept.put(("flooder", i), entry("flooder"))
+    assert kept.use("trainer") > 0.99 and kept.use("flooder") < 0.1
+    for i in range(10):  # two batches at once: more than the flooder holds from the 7th on
+        kept.put(("trainer", i), entry("trainer"))
+    assert (kept.owned("trainer"), kept.owned("flooder")) == (1000, 0)
+    use = kept.use("trainer")
+    assert kept.pop(("trainer", "dropped"), backward_of="trainer") is None and kept.use("trainer") > use
+    assert all(kept.pop(("trainer", i), backward_of="trainer") is not None for i in range(10))
+    kept.put(("trainer", "refused"), entry("trainer"))
+    use = kept.use("trainer")
+    assert kept.pop(("trainer", "refused")) is not None and kept.use("trainer") == use
+
+    for owner in ("a", "b"):  # two trainers that send their backwards: the one holding the most gives way
+        kept.put((owner, "used"), entry(owner))
+        kept.pop((owner, "used"), backward_of=owner)
+    for i in range(6):
+        kept.put(("a", i), entry("a"))
+    for i in range(5):
+        kept.put(("b", i), entry("b"))
+    assert (kept.owned("a"), kept.owned("b")) == (500, 500) and kept.pop(("a", 0)) is None
