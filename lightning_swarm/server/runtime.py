@@ -155,7 +155,7 @@ class StageRuntime:
     def _answer_overloaded(self, tasks: list[Task], error: str) -> None:
         for task in tasks:
             if task.key is not None:
-                self.backend.kept.pop(task.key)  # kept before the failure, or the graph a backward used
+                self.backend.kept.pop(task.key)  # a forward kept before the failure, or the graph a backward used
             task.tensors.clear()  # the request's inputs, shared with the handler awaiting the answer
         answer = self.overloaded(tasks[0].kind, error)
         for task in tasks:
