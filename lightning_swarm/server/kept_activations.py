@@ -8,8 +8,8 @@ for the share of its recent forwards whose backward came (kept or not by then; a
 of the doubt). So a caller that keeps forwards and never sends their backward (a flood, or a trainer that died)
 loses them before a trainer that does, even one that holds more (its backward trailing behind its next batch's
 forwards); between callers that send their backwards, the one that holds the most gives up first. The share counts
-what the callers did, not what the cap took from them, so a trainer that lost forwards to the cap is not held
-against for it. A backward whose graph was dropped falls back to recomputation from the input.
+what the callers did, not what the cap took from them: forwards lost to the cap do not count against a trainer. A
+backward whose graph was dropped falls back to recomputation from the input.
 
 The default bound (:func:`default_max_bytes`) is a fraction of the accelerator's free memory when the server
 starts, measured after the stage's parameters and optimizer state were allocated; on the CPU it stays 1 GiB.
