@@ -771,6 +771,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._failed_at: Optional[float] = None  # when a background round failed, until the foreground next waits
         self._expected_group = 1  # the peers counted on for the current gradient round, this one included
         self._out_of_sync = False  # its parameters may differ from its partners': it downloads their state next
+        self._only_holder_until = -math.inf  # until then, epochs ahead of this peer's are those of dead peers
         self.pace = StepPace(self.run_id, self.matchmaking_time, self.tracker.target_batch_size)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
@@ -996,10 +997,26 @@ class SwarmOptimizer(hivemind.Optimizer):
         """Whether the last ``load_state_from_peers`` brought a state from a peer."""
         return self.state_averager.downloaded
 
+    def start_as_only_holder(self) -> None:
+        """This peer starts serving a stage that no live peer holds (from its initialisation, or a checkpoint).
+
+        The progress records of the peers that held it and died still show their epoch until they expire
+        (``metadata_expiration``); a peer behind it downloads the state before stepping, and with nobody alive to
+        download from, every step tried, failed and dropped its gradients until then (16 s of a test swarm's
+        refill, 2 minutes with the default settings). Until those records expired, this peer takes their epoch
+        instead, with its own state, as hivemind's peers take the swarm's after a download.
+        """
+        self._only_holder_until = time.monotonic() + self.tracker.metadata_expiration
+
     def _should_load_state_from_peers(self) -> bool:
         if self._out_of_sync:
             self._out_of_sync = False  # one download: it may fail, or bring an older state (then it is kept)
             return True
+        if time.monotonic() < self._only_holder_until:
+            if self.local_epoch < self.tracker.global_epoch:
+                self.state_averager.local_epoch = self.tracker.global_epoch
+                self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
+            return False
         if self.delay_grad_averaging and (self.grad_averager.local_samples_accumulated > 0 or self._awaited()):
             # a peer's new epoch shows as soon as it schedules its step, while that step's all-reduce still
             # assembles in the background: a peer one epoch behind with gradients joins it (hivemind's rule), and so

@@ -191,7 +191,7 @@ class StageHost:
         """Before serving, download the stage's state from a peer serving it: this peer's blocks are freshly
         initialised, and must not answer requests for a stage the others have trained. A failed download is
         retried while the stage has serving peers (for at most join_timeout); a stage without any is restored from
-        the swarm's latest checkpoint, if there is one."""
+        the swarm's latest checkpoint, if there is one, and takes the swarm's epoch at its first step."""
         stage, optimizer = self.stage.index, self.stage.optimizer
         deadline = time.monotonic() + self.settings.join_timeout
         while True:
@@ -199,6 +199,7 @@ class StageHost:
             live = [record for record in records if record.state == PeerState.SERVING]
             if not live:
                 self._restore_from_latest_checkpoint()
+                optimizer.start_as_only_holder()
                 return
             log.warning("Stage %d is served by %d peer(s): downloading its current state", stage, len(live))
             with self.server.lock:

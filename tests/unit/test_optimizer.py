@@ -4,6 +4,7 @@ in this process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import multiprocessing
 import os
@@ -148,7 +149,8 @@ def beside_a_partner_process(script: str, *args: str) -> Iterator[tuple[SwarmNod
     try:
         yield node, partner
     finally:
-        os.killpg(partner.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # the test may have killed it already
+            os.killpg(partner.pid, signal.SIGKILL)
         partner.wait()
         node.shutdown()
 
@@ -712,6 +714,48 @@ def test_an_idle_partner_joins_the_round_that_counts_on_it_and_steps_as_the_othe
                     assert torch.equal(joined["state"][name], value), name
                 else:  # hivemind's all-reduce: equal to float rounding
                     assert torch.allclose(joined["state"][name], value, rtol=0, atol=1e-6), name
+        finally:
+            optimizer.shutdown()
+
+
+DEAD_HOLDER = """
+import sys, time, torch
+from test_optimizer import _optimizer
+from lightning_swarm.node import SwarmNode
+node = SwarmNode(sys.argv[1:]).start()
+model, optimizer = _optimizer(node, 1, "refill", target=1)
+while optimizer.local_epoch < 3:  # alone: a step each
+    model(torch.randn(1, 8)).square().mean().backward()
+    optimizer.step(batch_size=1)
+print("at epoch 3", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("only_holder", [True, False], ids=["only_holder", "joiner"])
+def test_a_peer_that_refills_a_stage_takes_the_epoch_of_its_dead_holder_at_its_first_step(only_holder):
+    """The stage's last holder died at epoch 3; its progress record outlives it (``metadata_expiration``). A peer that
+    starts serving the stage as its only holder takes epoch 3, and steps on its own gradient to epoch 4. A
+    peer not told so (one that joined a stage with live peers) must download first: it tries, and with nobody alive
+    to download from, that step fails and drops its gradient, as every step did until the record expired."""
+    with beside_a_partner_process(DEAD_HOLDER) as (node, holder):
+        assert holder.stdout.readline().strip() == "at epoch 3"
+        model, optimizer = _optimizer(node, 0, "refill", target=1, averaging_timeout=2.0)
+        try:
+            deadline = time.monotonic() + 30
+            while optimizer.tracker.global_epoch < 3:
+                assert time.monotonic() < deadline, f"the holder's record never came: {optimizer.tracker._records}"
+                time.sleep(0.1)
+            os.killpg(holder.pid, signal.SIGKILL)
+            holder.wait()
+            if only_holder:
+                optimizer.start_as_only_holder()
+            before = copy.deepcopy(model.state_dict())
+            model(torch.randn(1, 8)).square().mean().backward()
+            optimizer.step(batch_size=1)
+            moved = not torch.equal(model.weight, before["weight"])
+            assert (optimizer.local_epoch, moved) == ((4, True) if only_holder else (0, False))
+            assert not optimizer.downloaded
         finally:
             optimizer.shutdown()
 
