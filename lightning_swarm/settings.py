@@ -129,7 +129,9 @@ class SwarmSettings:
     max_activation_bytes: Optional[int] = field(default=None, metadata={CAST: bytes_or_auto})
     """memory a stage server spends on keeping training forwards' activations until their backward arrives, so
     that backward computes no forward again (what autograd saved, counted as it saves it). Beyond it (or after
-    ``activation_timeout`` seconds) the oldest are dropped and their backward recomputes. None or ``"auto"``:
+    ``activation_timeout`` seconds) the oldest are dropped and their backward recomputes: past the bound, first
+    those of a caller that keeps forwards without sending their backward, then those of the caller holding the
+    most. None or ``"auto"``:
     half of the GPU's free memory once the stage is loaded (peers sharing a GPU should set it), 1 GiB on the
     CPU."""
     activation_timeout: float = field(default=120.0, metadata={CAST: float})
@@ -192,7 +194,8 @@ class SwarmSettings:
     be served again, logging which stage it waits for, before it stops with ``StageUnavailableError``. Default
     300."""
     ban_timeout: float = field(default=15.0, metadata={CAST: float})
-    """seconds a peer that failed a call is not chosen again (doubling on repeated failures). Default 15."""
+    """seconds a peer that failed a call is not chosen again (doubling with each failure in a row, up to 4 times
+    this). Default 15."""
     update_period: float = field(default=10.0, metadata={CAST: float})
     """seconds between refreshes of this peer's DHT record. Default 10."""
     join_timeout: float = field(default=300.0, metadata={CAST: float})

@@ -8,8 +8,9 @@ A peer is chosen with probability inversely proportional to that time: idle peer
 their throughput, busy ones get less. A peer that has not published a throughput yet counts as the fastest, so
 that newcomers get tried. (Estimates measured on this process's own calls, network included, were tried: one slow
 first call, e.g. while a peer warms up, starved that peer of the calls that would have corrected it.)
-A failed or timed-out call bans the peer for a while and the work goes to another peer of the same stage; after
-``max_retries`` failed attempts the stage is reported as unavailable. Any failure on the peer's side fails over so
+A failed or timed-out call bans the peer for a while (``ban_timeout``, doubling with each failure in a row up to
+``MAX_BAN_FACTOR`` times it) and the work goes to another peer of the same stage; after ``max_retries`` failed
+attempts the stage is reported as unavailable. Any failure on the peer's side fails over so
 (a crashed worker, a stage not ready, an unexpected server error, or a malformed reply: replies are checked as
 requests are, :class:`ReplyCheck`); a peer that answers busy (full queue, out of memory) is tried again after the
 others, and only a request the caller got wrong (:data:`~lightning_swarm.errors.CALLERS_FAULT`) raises at once.
@@ -59,6 +60,9 @@ from lightning_swarm.transport import CONNECT_TIMEOUT, DirectClient, DirectReque
 log = logging.getLogger(__name__)
 
 DEFAULT_THROUGHPUT = 1.0  # samples/s assumed while no peer of the stage has been measured: only ratios matter
+# A ban lasts at most this many ban_timeouts. A stage whose peers are all banned waits for one, and that wait counts
+# towards stage_wait_timeout: uncapped, the default ban of a peer's sixth failure in a row (480 s) outlasted it.
+MAX_BAN_FACTOR = 4
 UNREACHABLE_PERIOD = 300.0  # seconds a peer whose direct address could not be reached is called over libp2p
 MAX_REPLY_BYTES = 256 * 2**20  # a reply's tensor, decoded: as much as a stage server accepts in a request
 Reply = list[runtime_pb2.Tensor]
@@ -688,7 +692,8 @@ class StageRouter:
             load = self._peers[stage].get(peer)
             if load is not None:
                 load.failures += 1
-                load.banned_until = time.monotonic() + self.ban_timeout * 2 ** (load.failures - 1)
+                factor = min(2 ** (load.failures - 1), MAX_BAN_FACTOR)
+                load.banned_until = time.monotonic() + self.ban_timeout * factor
 
 
 def _remote_error(error: P2PHandlerError) -> Exception:

@@ -43,6 +43,17 @@ def test_stochastic_wiring_shares_work_by_throughput_and_load():
     assert _router_with({"banned": banned}).choose(0, batch=8) is None
 
 
+def test_a_ban_doubles_with_each_failure_in_a_row_up_to_four_ban_timeouts():
+    """Doubling without end kept a stage whose peers were all banned waiting longer than stage_wait_timeout for a
+    peer that had recovered: capped at MAX_BAN_FACTOR ban timeouts."""
+    router = _router_with({"p": PeerLoad(PeerRecord("p", 0, PeerState.SERVING, 1.0, 0))})
+    bans = []
+    for _ in range(6):
+        router._ban(0, "p")
+        bans.append(round((router._peers[0]["p"].banned_until - time.monotonic()) / router.ban_timeout, 2))
+    assert bans == [1, 2, 4, 4, 4, 4]
+
+
 def test_a_peer_never_chooses_itself_for_a_stage_it_moved_away_from():
     """The record of the stage a peer moved from outlives the move (its time to live): other routers find out from a
     failed call, but this peer's own call to itself went over libp2p and failed ("dial to self attempted"), a
