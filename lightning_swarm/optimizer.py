@@ -1001,10 +1001,11 @@ class SwarmOptimizer(hivemind.Optimizer):
         """This peer starts serving a stage that no live peer holds (from its initialisation, or a checkpoint).
 
         The progress records of the peers that held it and died still show their epoch until they expire
-        (``metadata_expiration``); a peer behind it downloads the state before stepping, and with nobody alive to
-        download from, every step tried, failed and dropped its gradients until then (16 s of a test swarm's
-        refill, 2 minutes with the default settings). Until those records expired, this peer takes their epoch
-        instead, with its own state, as hivemind's peers take the swarm's after a download.
+        (``metadata_expiration``); a peer whose epoch is behind downloads the state before stepping, and with nobody
+        alive to download from, every step tried, failed and dropped its gradients until then (16 s of a test swarm's
+        refill, 2 minutes with the default settings). Until those records expired, this peer takes their epoch once
+        instead, with its own state, as hivemind's peers take the swarm's after a download; a peer ahead of it after
+        that is a live one, downloaded from as usual.
         """
         self._only_holder_until = time.monotonic() + self.tracker.metadata_expiration
 
@@ -1013,9 +1014,10 @@ class SwarmOptimizer(hivemind.Optimizer):
             self._out_of_sync = False  # one download: it may fail, or bring an older state (then it is kept)
             return True
         if time.monotonic() < self._only_holder_until:
-            if self.local_epoch < self.tracker.global_epoch:
+            if self.local_epoch < self.tracker.global_epoch:  # taken once: a later peer ahead is a live one
                 self.state_averager.local_epoch = self.tracker.global_epoch
                 self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
+                self._only_holder_until = -math.inf
             return False
         if self.delay_grad_averaging and (self.grad_averager.local_samples_accumulated > 0 or self._awaited()):
             # a peer's new epoch shows as soon as it schedules its step, while that step's all-reduce still

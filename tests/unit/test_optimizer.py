@@ -727,6 +727,9 @@ model, optimizer = _optimizer(node, 1, "refill", target=1)
 while optimizer.local_epoch < 3:  # alone: a step each
     model(torch.randn(1, 8)).square().mean().backward()
     optimizer.step(batch_size=1)
+# a sample of epoch 3: hivemind stores a record only within an epoch of the last it saw with samples, and its
+# reporter, waking after the steps, may have seen none
+optimizer.tracker.report_local_progress(3, 1)
 print("at epoch 3", flush=True)
 time.sleep(600)
 """
