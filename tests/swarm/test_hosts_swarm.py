@@ -85,7 +85,10 @@ def test_four_hosts_train_and_fail_over(hosts, host_swarm, tmp_path):
         f"failovers, {failed} failed calls to the killed peer, {final['seconds']:.1f}s"
     )
     assert final["steps"] == steps
-    assert final["failovers"] == failed
+    # each failed call to the killed peer was retried on the other, except a chain's receipt that failed after its
+    # parcel had come (the microbatch was done; 4 failed calls and 3 failovers in one CI run)
+    late = host_swarm.peers["trainer"].log().count("A chain's receipt, read after its parcel came")
+    assert final["failovers"] <= failed <= final["failovers"] + late, (final["failovers"], failed, late)
     assert final["direct_calls"] > 0  # the hosts reach each other's direct path
 
 
