@@ -191,7 +191,7 @@ class StageHost:
         """Before serving, download the stage's state from a peer serving it: this peer's blocks are freshly
         initialised, and must not answer requests for a stage the others have trained. A failed download is
         retried while the stage has serving peers (for at most join_timeout); a stage without any is restored from
-        the swarm's latest checkpoint, if there is one, and takes the swarm's epoch at its first step."""
+        the swarm's latest checkpoint, if there is one, and takes the epoch its dead holders' records still show."""
         stage, optimizer = self.stage.index, self.stage.optimizer
         deadline = time.monotonic() + self.settings.join_timeout
         while True:
