@@ -91,10 +91,12 @@ class SwarmSettings:
     """how a microbatch crosses the stages: ``"chain"``: the trainer sends it to a peer of the first stage, each
     stage's peer sends its output on to a peer of the next (chosen as the trainer chooses: load-aware, at random;
     the last stage's is chosen by the trainer, which waits there for the output) and the trainer fetches the last
-    stage's output from its peer; backward goes back the same way. The trainer's
-    link carries one transfer each way per microbatch instead of one per stage. ``"star"``: the trainer relays
-    every stage boundary itself. Default ``"chain"``: across emulated hosts at 50 Mbit/s it trained at 1.90x star's
-    samples/s with 0.34x the bytes on the trainer's link (``benchmarks/wiring.py``)."""
+    stage's output from its peer; backward goes back the same way. The trainer's link carries one transfer each
+    way per microbatch instead of one per stage. A stage's peer that cannot hand a microbatch on (it knows no live
+    peer of the next stage, or cannot reach them) stops its chain: the trainer relays that microbatch, and all of
+    its microbatches for ``ban_timeout`` seconds, doubled while it recurs (up to 4 times). ``"star"``: the trainer
+    relays every stage boundary itself. Default ``"chain"``: across emulated hosts at 50 Mbit/s it trained at
+    1.90x star's samples/s with 0.34x the bytes on the trainer's link (``benchmarks/wiring.py``)."""
     delayed_updates: Optional[bool] = field(default=None, metadata={CAST: flag})
     """a stage's all-reduce and optimizer step run in the background while its peer keeps serving with the
     previous parameters; the new ones serve from the first forward after the step finished (one step of

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 import uuid
@@ -53,7 +54,7 @@ from lightning_swarm import block_calls, compression, protocol
 from lightning_swarm.block_calls import Call, MetaBlocks
 from lightning_swarm.chain_wiring import Receipt, ReceiptCheck
 from lightning_swarm.client.microbatch_tuning import Microbatches, MicrobatchTuner
-from lightning_swarm.client.routing import PendingCall, ReplyCheck, StageRouter
+from lightning_swarm.client.routing import MAX_BAN_FACTOR, PendingCall, ReplyCheck, StageRouter
 from lightning_swarm.errors import (
     CALLERS_FAULT,
     ActivationsLostError,
@@ -183,6 +184,7 @@ class RemotePipeline(nn.Module):
         # chains' receipts read after their parcel came: each once it is in, so a thread is never held waiting
         self._receipts = ThreadPoolExecutor(2, "swarm-receipt")
         self._slots = _Slots()
+        self._relaying = _RelayPause()  # chains paused after a stage server could not hand on
         self._trailing: list[Trailing] = []
         self._latest = (0.0, 0.0)  # the latest backward through the stages: its forward's start, its end
         self._latest_lock = threading.Lock()
@@ -399,7 +401,7 @@ class RemotePipeline(nn.Module):
         to it blames the peer that sent it: that hop runs again on another peer."""
         self.router.stats.add(samples_sent=int(hidden.size[0]))
         broken: Optional[Exception] = None
-        if self.wiring == "chain" and len(hops) > 1:
+        if self.wiring == "chain" and len(hops) > 1 and not self._relaying.active():
             route = Route(train, [hop.stage for _, hop in hops], [hidden] + [None] * (len(hops) - 1), sides=sides)
             route.keys = [uuid.uuid4().hex if keep else None for _ in hops]
             check = self._reply_check(int(hidden.size[0]), hops[-1][1], landing)
@@ -407,12 +409,15 @@ class RemotePipeline(nn.Module):
             try:
                 self._chain_forward(hidden, route, check)
                 self.router.stats.add(chained=1)
+                self._relaying.passed()
                 return check.decoded, route
             except (*CALLERS_FAULT, StageUnavailableError):
                 raise  # the request was wrong, or the first stage has no peer: relaying would not help
             except Exception as e:  # a broken chain, a bad receipt or parcel, or the last peer gone since
                 log.warning("Stage-to-stage forward failed (%r): relaying this microbatch instead", e)
                 broken = e
+                if isinstance(e, ChainBrokenError) or (isinstance(e, _ChainStopped) and e.at_server):
+                    self._relaying.start(self.router.ban_timeout)
         return self._relay(hidden, sides, hops, keep, train, landing, broken)
 
     def _relay(
@@ -545,7 +550,7 @@ class RemotePipeline(nn.Module):
             raise
         except Exception as e:
             failed = [stage, "forward", peer, "", repr(e)]
-            raise _ChainStopped(Receipt(stopped=True, failovers=[failed], error=repr(e))) from e
+            raise _ChainStopped(Receipt(stopped=True, failovers=[failed], error=repr(e)), at_server=False) from e
 
     @staticmethod
     def _parcel_first(chain: PendingCall, waiting: Optional[PendingCall]) -> bool:
@@ -848,13 +853,45 @@ class RemotePipeline(nn.Module):
 
 
 class _ChainStopped(Exception):
-    """A chained forward that a stage server could not hand on; ``failed``: the stage, peer and error of the call
-    that stopped it, if the server named one."""
+    """A chained forward that a stage server could not hand on (``at_server``), or whose output this process could
+    not collect; ``failed``: the stage, peer and error of the call that stopped it, if one was named."""
 
-    def __init__(self, receipt: Receipt) -> None:
+    def __init__(self, receipt: Receipt, at_server: bool = True) -> None:
         super().__init__(receipt.error)
+        self.at_server = at_server
         stops = [(stage, peer, error) for stage, _, peer, retried_on, error in receipt.failovers if not retried_on]
         self.failed: Optional[tuple[int, str, str]] = stops[-1] if stops else None
+
+
+class _RelayPause:
+    """After a stage server could not hand a chained forward on, this trainer relays its microbatches itself for a
+    while (the router's ``ban_timeout``), doubled with each such stop in a row (a chain that passes ends the row), up
+    to ``MAX_BAN_FACTOR`` times. A server whose view of the next stage is stale, or that cannot reach that stage's
+    peers, would otherwise hold every microbatch for its whole wait for a peer (``Onward.wait_timeout``) before this
+    trainer relays it."""
+
+    def __init__(self) -> None:
+        self._stops, self._until = 0, -math.inf
+        self._lock = threading.Lock()
+
+    def active(self) -> bool:
+        return time.monotonic() < self._until
+
+    def start(self, seconds: float) -> None:
+        """A chain stopped at a stage server: pause chaining for ``seconds`` times the stops in a row's factor, unless
+        a chain in flight with it paused it already."""
+        with self._lock:
+            if self.active():
+                return
+            self._stops += 1
+            pause = seconds * min(2 ** (self._stops - 1), MAX_BAN_FACTOR)
+            self._until = time.monotonic() + pause
+        log.warning("A stage server could not hand a microbatch on: relaying microbatches here for %.0fs", pause)
+
+    def passed(self) -> None:
+        """A chain reached its last hop."""
+        with self._lock:
+            self._stops = 0
 
 
 class _Slots:

@@ -79,16 +79,23 @@ def test_four_hosts_train_and_fail_over(hosts, host_swarm, tmp_path):
 
     assert host_swarm.wait("trainer", timeout=300) == 0, host_swarm.peers["trainer"].log()[-3000:]
     final = history(record)
-    failed = final["failed_calls_per_peer"].get(victim, 0)
+    failed, breaks = final["failed_calls_per_peer"].get(victim, 0), final["chain_breaks"]
     print(
         f"hosts: {final['direct_calls']} direct calls, {final['p2p_calls']} over libp2p, {final['failovers']} "
-        f"failovers, {failed} failed calls to the killed peer, {final['seconds']:.1f}s"
+        f"failovers, {failed} failed calls to the killed peer, {breaks} chain breaks, {final['seconds']:.1f}s"
     )
     assert final["steps"] == steps
     # each failed call to the killed peer was retried on the other, except a chain's receipt that failed after its
-    # parcel had come (the microbatch was done; 4 failed calls and 3 failovers in one CI run)
+    # parcel had come (the microbatch was done; 4 failed calls and 3 failovers in one CI run); the other failovers
+    # are chains that the stage-0 peer could not hand on, relayed by the trainer
     late = host_swarm.peers["trainer"].log().count("A chain's receipt, read after its parcel came")
-    assert final["failovers"] <= failed <= final["failovers"] + late, (final["failovers"], failed, late)
+    counts = (final["failovers"], breaks, failed, late, final["failed_calls_per_peer"])
+    assert final["failovers"] - breaks <= failed <= final["failovers"] - breaks + late, counts
+    # a stage server that cannot hand on stops the microbatches in flight (4 at most), then the trainer relays for a
+    # ban_timeout (30s), then twice as long. Before that pause, one CI run took 144s (16s here otherwise), with 52
+    # failovers for 11 failed calls: its stage-0 peer saw no live stage-1 peer for minutes after the kill and held
+    # each chain for its wait for one (10s) before the trainer relayed it
+    assert breaks <= 3 * 4, counts
     assert final["direct_calls"] > 0  # the hosts reach each other's direct path
 
 

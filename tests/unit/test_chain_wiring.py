@@ -54,16 +54,16 @@ def stage(index: int, module: torch.nn.Module | None = None) -> StageServer:
     return StageServer("run", index, module or torch.nn.Linear(8, 8), CPU)
 
 
-def swarm(stages: list[dict], first: tuple = (), servers_see: list[dict] | None = None) -> PeersRouter:
-    """The trainer's router over ``stages``; every real server hands on through a router of its own over
-    ``servers_see`` (default: the same peers)."""
+def swarm(stages: list[dict], first: tuple = (), servers_see: list[dict] | None = None, **kwargs) -> PeersRouter:
+    """The trainer's router over ``stages`` (``kwargs``: its settings); every real server hands on through a router
+    of its own over ``servers_see`` (default: the same peers)."""
     onward = PeersRouter(servers_see or stages, first)
     for peers in stages:
         for server in peers.values():
             if isinstance(server, StageServer):
                 server.onward.routes = onward
                 server.onward.wait_timeout = 0.2
-    return PeersRouter(stages, first)
+    return PeersRouter(stages, first, **kwargs)
 
 
 def pipeline(router: PeersRouter, modules: list, wiring: str = "chain", microbatches: int = 2) -> RemotePipeline:
@@ -234,6 +234,29 @@ def test_a_backward_the_next_peer_fails_stops_there_and_counts_one_failed_call(s
         shutdown(router)
         stages[1]["p1b"].shutdown()
         servers[1].shutdown()
+
+
+def test_after_a_chain_stopped_at_a_stage_server_the_trainer_relays_for_a_ban_timeout_doubled_while_it_recurs():
+    """Stage 1's peer sees no peer of stage 2 (its view is stale): the first batch's chains stop there after its wait,
+    and the trainer relays them; the next batch is relayed at once, without a chain, within ban_timeout. Once that
+    passed, chains are tried again; they stop again, and chaining pauses for twice as long. Exact throughout."""
+    servers = [stage(k) for k in range(3)]
+    modules = [s.module for s in servers]
+    x = torch.randn(8, 8)
+    stages = [{f"p{k}": s} for k, s in enumerate(servers)]
+    router = swarm(stages, servers_see=[stages[0], stages[1], {}], ban_timeout=60.0)
+    remote = pipeline(router, modules)
+    try:
+        for breaks in (2, 2, 4):
+            if breaks == 4:  # the pause is over
+                remote._relaying._until = time.monotonic()
+            got = run(remote, x)
+            torch.testing.assert_close(got, plain(modules, x), rtol=0, atol=0)
+            assert router.stats.failovers == router.stats.chain_breaks == breaks and router.stats.chained == 0
+            pause = remote._relaying._until - time.monotonic()
+            assert 60.0 * (breaks // 2) - 30.0 < pause <= 60.0 * (breaks // 2)
+    finally:
+        shutdown(router)
 
 
 def test_a_chain_with_no_peer_for_a_stage_breaks_and_the_trainer_relays_the_microbatch():
