@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -41,7 +42,28 @@ def report_peers(request: pytest.FixtureRequest, peers) -> None:
     for peer in peers:
         code = peer.process.poll()
         if failed or code not in (None, 0, -9):
-            print(f"---- {peer.name} (exit code {code}):\n{peer.log()[-4000:]}")
+            log = peer.log()
+            print(f"---- {peer.name} (exit code {code}), its log:\n{log_digest(log)}\n-- its tail:\n{log[-1500:]}")
+
+
+LOG_LINE = re.compile(r"^\w{3} +\d+ ([\d:.]+) \[(\w+)\] \[[^\]]*\] ?(.*)$")
+
+
+def log_digest(log: str, lines: int = 40) -> str:
+    """The last ``lines`` lines that a peer's loggers wrote (tracebacks and other output left out) as time, level
+    and message cut to 160 characters; a message that repeats the one before is counted instead of printed again.
+    What a failed test's report shows of a whole run, where a log's tail shows only its end."""
+    kept: list[list] = []
+    for line in log.splitlines():
+        match = LOG_LINE.match(line)
+        if match is None:
+            continue
+        time, level, message = match.groups()
+        if kept and kept[-1][1] == message:
+            kept[-1][2] += 1
+            continue
+        kept.append([f"{time} {level} {message[:160]}", message, 1])
+    return "\n".join(text + (f"  (x{count})" if count > 1 else "") for text, _, count in kept[-lines:])
 
 
 # settings that keep test swarms fast and quiet; every timeout stays finite
