@@ -34,6 +34,7 @@ import ipaddress
 import logging
 import os
 import time
+import uuid
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import zmq
@@ -377,13 +378,17 @@ class DirectClient:
         socket.setsockopt(zmq.IPV6, int(address.startswith("[")))
         socket.plain_username = session.hex().encode()
         socket.plain_password = connection_token(key, session, time.time(), os.urandom(16))
-        monitor = socket.get_monitor_socket()
-        socket.connect(f"tcp://{address}")
+        monitor: Optional[zmq.asyncio.Socket] = None
         try:
+            # pyzmq's default endpoint names the socket's file descriptor, which a socket closed moments ago may have
+            # held while its endpoint is still bound: that connection failed with EADDRINUSE, blaming a healthy peer
+            monitor = socket.get_monitor_socket(addr=f"inproc://swarm-monitor-{uuid.uuid4().hex}")
+            socket.connect(f"tcp://{address}")
             await asyncio.wait_for(await_handshake(monitor), self.connect_timeout)
         except BaseException as e:
             socket.close(linger=0)
-            monitor.close(linger=0)
+            if monitor is not None:
+                monitor.close(linger=0)
             if isinstance(e, (PeerNotAllowedError, asyncio.CancelledError)):
                 raise
             raise DirectUnreachable(f"no direct connection to {peer} at {address}: {e!r}") from None

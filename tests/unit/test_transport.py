@@ -151,3 +151,38 @@ def test_connections_without_a_valid_proof_are_refused_and_the_stage_is_untouche
                 await p2p.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_connection_does_not_depend_on_monitor_endpoints_left_bound_in_its_context():
+    """A connection's handshake is watched through a monitor socket. pyzmq names its endpoint after the socket's file
+    descriptor, which a socket closed moments before may still hold bound: a peer's call to a healthy peer failed
+    with EADDRINUSE (ZMQError) and banned it. With every such name taken in the client's context, calls still
+    connect."""
+
+    async def main() -> None:
+        server_p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        maddrs = [str(m) for m in await server_p2p.get_visible_maddrs()]
+        caller_p2p = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        policy = AccessPolicy.create([str(server_p2p.peer_id), str(caller_p2p.peer_id)], secret="s3cret")
+        torch.manual_seed(0)
+        stage = StageServer("run", 0, torch.nn.Linear(8, 8), torch.device("cpu"), policy=policy)
+        direct = transport.DirectServer("run", lambda: stage, policy)
+        port = await direct.start(server_p2p)
+        member = transport.DirectClient(caller_p2p, caller_p2p.peer_id, "run", policy)
+        taken = member._context.socket(zmq.PAIR)
+        try:
+            for fd in range(4096):  # a new socket takes the lowest free descriptor
+                taken.bind(f"inproc://monitor.s-{fd}")
+            x = torch.randn(2, 8)
+            server, wire = str(server_p2p.peer_id), compression.serialize(x, "none")
+            reply = await member.call(server, f"127.0.0.1:{port}", "forward", stage.uid, [wire], b"", 10)
+            assert torch.equal(compression.deserialize(reply[0]), stage.module(x).detach())
+        finally:
+            taken.close(linger=0)
+            await member.close()
+            await direct.stop(server_p2p)
+            stage.shutdown()
+            for p2p in (caller_p2p, server_p2p):
+                await p2p.shutdown()
+
+    asyncio.run(main())
