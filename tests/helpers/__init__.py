@@ -46,6 +46,12 @@ def report_peers(request: pytest.FixtureRequest, peers) -> None:
             print(f"---- {peer.name} (exit code {code}), its log:\n{log_digest(log)}\n-- its tail:\n{log[-1500:]}")
 
 
+def late_receipts(log: str) -> int:
+    """Chained forwards whose receipt failed after their output had come, in a trainer's ``log``: a failed call to
+    the peer that died (counted), but no failover, as the microbatch was done."""
+    return log.count("A chain's receipt, read after its parcel came")
+
+
 LOG_LINE = re.compile(r"^\w{3} +\d+ ([\d:.]+) \[(\w+)\] \[[^\]]*\] ?(.*)$")
 
 

@@ -13,7 +13,7 @@ import signal
 import time
 
 import pytest
-from helpers import FAST, history
+from helpers import FAST, history, late_receipts
 from helpers.real_model_checks import exact_against_single_process, logs, loss_falls_with_defaults
 
 
@@ -69,7 +69,8 @@ def test_rebalancing_and_failover_with_side_inputs(model_swarm, tmp_path):
         f"{final['failovers']} failovers, {failed} failed calls to it"
     )
     assert final["steps"] == steps and len(final["losses"]) == steps
-    # every failed call to it was retried elsewhere and succeeded there (other peers' moves fail calls over too)
-    assert final["failovers"] >= failed
+    # every failed call to it was retried elsewhere and succeeded there (other peers' moves fail calls over too), but
+    # a chain's receipt that failed after its output had come
+    assert final["failovers"] + late_receipts(swarm.peers["trainer"].log()) >= failed
     assert final["side_bytes_sent"] > 0
     assert failed <= 2 * 4  # the calls in flight at the kill at most (2 per microbatch, at most 4 microbatches)

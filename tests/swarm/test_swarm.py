@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from helpers import FAST, SMALL_GPT, history, plain_training
+from helpers import FAST, SMALL_GPT, history, late_receipts, plain_training
 from helpers.raw_client import RawClient, bytes_of, wait_until_serving, wire
 
 from lightning_swarm import protocol
@@ -203,8 +203,12 @@ def test_failover_after_kill_9(swarm, tmp_path):
     assert final["steps"] == steps and len(final["losses"]) == steps
     failed = final["failed_calls_per_peer"].get(victim, 0)
     breaks = final["chain_breaks"]  # chains a stage server could not hand on to the dead peer: relayed instead
+    late = late_receipts(swarm.peers["trainer"].log())
     print(f"failover: {final['failovers']} failovers, {failed} failed calls to the dead peer, {breaks} chain breaks")
-    assert final["failovers"] == failed + breaks  # every failed call or chain was retried elsewhere and succeeded
+    # every failed call or chain was retried elsewhere and succeeded, but a chain's receipt that failed after its
+    # output had come (4 of 4 failed calls in one run)
+    counts = (final["failovers"], failed, breaks, late)
+    assert final["failovers"] - breaks <= failed <= final["failovers"] - breaks + late, counts
     # the calls in flight at the kill at most (up to 2 per microbatch; 4 microbatches: batch 8, 'auto' with 2 stages);
     # then the peer is banned and forgotten
     assert failed <= 2 * 4
