@@ -535,11 +535,15 @@ class StageRouter:
             self.stats.bytes_sent += protocol.payload_bytes(tensors)
             self.stats.raw_bytes_sent += sum(compression.raw_nbytes(t) for t in tensors)
         timeout = timeout or self.request_timeout
-        if chain_wiring.is_chained(metadata):
+        chained = chain_wiring.is_chained(metadata)
+        if chained:
             metadata = metadata | {"budget": timeout}
-        call = PendingCall(self, stage, peer, load, batch, timeout + 1 + 2 * CONNECT_TIMEOUT, timed)
+        # a chained request's caller waits within a deadline of its own (the trainer's, up the chain): the direct
+        # path's session and connection come out of its budget; any other call's libp2p fallback gets a whole timeout
+        slack = 1.0 if chained else 1 + 2 * CONNECT_TIMEOUT
+        call = PendingCall(self, stage, peer, load, batch, timeout + slack, timed)
         try:
-            call.future = self.node.submit(self._request(stage, peer, method, tensors, metadata, timeout))
+            call.future = self.node.submit(self._request(stage, peer, method, tensors, metadata, timeout, chained))
         except BaseException:
             call.cancel()
             raise
@@ -580,9 +584,11 @@ class StageRouter:
         log.warning("Stage %d: peer %s failed (%s)", stage, peer, why)
 
     async def _request(
-        self, stage: int, peer: str, method: str, tensors: list, metadata: dict, timeout: float
+        self, stage: int, peer: str, method: str, tensors: list, metadata: dict, timeout: float, whole: bool = False
     ) -> list[runtime_pb2.Tensor]:
-        uid = stage_uid(self.run_id, stage)
+        """The peer's reply, over its direct address if it has a usable one, else over libp2p; ``whole``: both
+        tries together within ``timeout`` (else the libp2p one gets a whole ``timeout`` of its own)."""
+        uid, began = stage_uid(self.run_id, stage), time.monotonic()
         server = self.local_server
         if server is not None and server.stage == stage and peer == str(self.node.peer_id):
             request = DirectRequest(uid, list(tensors), protocol.encode_metadata(metadata))
@@ -595,11 +601,16 @@ class StageRouter:
                     self.node.p2p, self.node.peer_id, self.run_id, getattr(self.node, "policy", None)
                 )
                 raw_metadata = protocol.encode_metadata(metadata)
-                reply = await client.call(peer, address, method, uid, tensors, raw_metadata, timeout)
+                direct = client.call(peer, address, method, uid, tensors, raw_metadata, timeout)
+                reply = await (asyncio.wait_for(direct, timeout) if whole else direct)
                 self._count_call(direct=True)
                 return reply
             except DirectUnreachable as e:
                 self._mark_unreachable(peer, e)
+        if whole:
+            timeout -= time.monotonic() - began
+            if timeout <= 0:
+                raise TimeoutError(f"no time was left to call {peer} over libp2p")
         stub = StageService.get_stub(self.node.p2p, PeerID.from_base58(peer), namespace=self.run_id)
         metadata, tensors = self._with_token(metadata, peer), [compression.to_message(t) for t in tensors]
         reply, _ = await protocol.call(stub, method, uid, tensors, metadata, timeout)

@@ -113,7 +113,7 @@ class PeersRouter(StageRouter):
             speed = {p: 1e9 if p in first else 1.0 for p in peers}
             self._peers[stage] = {p: PeerLoad(PeerRecord(p, stage, PeerState.SERVING, speed[p], 0)) for p in peers}
 
-    async def _request(self, stage, peer, method, tensors, metadata, timeout):
+    async def _request(self, stage, peer, method, tensors, metadata, timeout, whole=False):
         request = DirectRequest(stage_uid("run", stage), list(tensors), protocol.encode_metadata(metadata))
         try:  # waited for as the direct path waits
             return await asyncio.wait_for(self.servers[peer].answer_tensors(method, request, "trainer"), timeout)

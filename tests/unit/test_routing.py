@@ -101,3 +101,51 @@ def test_stale_records_are_read_again_in_the_background_while_microbatches_go_on
     finally:
         release.set()
         router.close()
+
+
+def test_a_chained_call_keeps_to_its_budget_when_the_direct_path_fails(monkeypatch):
+    """A chained request (a stage server handing a microbatch on, within its trainer's deadline) spends its budget on
+    its direct try and its libp2p fallback together, and its caller waits for no more than the budget and a second:
+    here the direct try's session took its time and failed, and the fallback got what was left. Before, the fallback
+    got a whole timeout more, the hand-on answered after the trainer had stopped waiting for it, and the trainer
+    banned a healthy peer (a refill test's swarm stalled for minutes). Any other call's fallback still gets a whole
+    timeout."""
+    import asyncio
+
+    import pytest
+    from helpers.stage import InProcessNode
+
+    from lightning_swarm import protocol
+    from lightning_swarm.client import routing
+    from lightning_swarm.stage_api import StageService
+
+    peer, given = "12D3KooWNLm8PhMDWXQQfX5bEooRKLHRNkaoGJ8Nv9xwfTdRZKQ2", []
+
+    class NoSession:
+        def __init__(self, *args) -> None:
+            pass
+
+        async def call(self, *args) -> list:
+            await asyncio.sleep(0.5)
+            raise routing.DirectUnreachable(f"peer {peer} opened no direct session: TimeoutError()")
+
+    async def over_libp2p(stub, method, uid, tensors, metadata, timeout):
+        given.append(timeout)
+        await asyncio.sleep(timeout)
+        raise TimeoutError()
+
+    monkeypatch.setattr(routing, "DirectClient", NoSession)
+    monkeypatch.setattr(protocol, "call", over_libp2p)
+    monkeypatch.setattr(StageService, "get_stub", staticmethod(lambda *args, **kwargs: None))
+    node = InProcessNode()
+    node.p2p = None
+    router = StageRouter(node=node, run_id="unit", num_stages=1, refresh_period=float("inf"))
+    router._peers[0] = {peer: PeerLoad(PeerRecord(peer, 0, PeerState.SERVING, 1.0, 0, address="127.0.0.1:9"))}
+    chained = {"onward": [], "parcel": "p", "origin": "trainer"}
+    for metadata, waited in ((chained, 3.0), ({}, 2.0 + 1 + 2 * routing.CONNECT_TIMEOUT)):
+        router._unreachable.clear()
+        call = router.start_call(0, peer, "forward", [], metadata, 1, timeout=2.0)
+        assert call.timeout == waited
+        with pytest.raises(TimeoutError):
+            router.finish(call)
+    assert given[0] <= 1.5 and given[1] == 2.0, given
