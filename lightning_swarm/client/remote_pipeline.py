@@ -820,7 +820,10 @@ class RemotePipeline(nn.Module):
         if failed is not None:
             self.router.stats.add(recomputed=1)
         if failed and isinstance(failed, str):  # a stage server's call, handing the gradient on, failed there
-            self.router.blame(stage, peer, f"reported by the peer handing the gradient on: {failed}")
+            if self.router.is_local(stage, peer):  # it could not reach this peer, which recomputes the hop itself
+                failed = ""
+            else:
+                self.router.blame(stage, peer, f"reported by the peer handing the gradient on: {failed}")
         side = route.sides[hop]
         extra = _parts(side)
         messages = [inputs, grad, *extra[0]]

@@ -322,6 +322,11 @@ class StageRouter:
         server = self.local_server
         return peer_id == self._own_id and (server is None or server.stage != stage)
 
+    def is_local(self, stage: int, peer: str) -> bool:
+        """Whether ``peer`` is this peer, serving ``stage`` itself: called in-process, never over the network."""
+        server = self.local_server
+        return server is not None and server.stage == stage and peer == self._own_id
+
     @cached_property
     def _own_id(self) -> Optional[str]:
         return str(self.node.peer_id) if self.node is not None else None
@@ -372,7 +377,7 @@ class StageRouter:
         the first attempt, sent already (:meth:`start_call`).
         """
         wait_timeout = self.stage_wait_timeout if wait_timeout is None else wait_timeout
-        if prefer is not None and (self._banned(stage, prefer) or self._left(stage, prefer)):
+        if prefer is not None and (self.is_banned(stage, prefer) or self._left(stage, prefer)):
             prefer = None
         tried: list[str] = []
         last_error: Optional[BaseException] = None
@@ -589,10 +594,9 @@ class StageRouter:
         """The peer's reply, over its direct address if it has a usable one, else over libp2p; ``whole``: both
         tries together within ``timeout`` (else the libp2p one gets a whole ``timeout`` of its own)."""
         uid, began = stage_uid(self.run_id, stage), time.monotonic()
-        server = self.local_server
-        if server is not None and server.stage == stage and peer == str(self.node.peer_id):
+        if self.is_local(stage, peer):
             request = DirectRequest(uid, list(tensors), protocol.encode_metadata(metadata))
-            return await asyncio.wait_for(server.answer_tensors(method, request), timeout)
+            return await asyncio.wait_for(self.local_server.answer_tensors(method, request), timeout)
         load = self._peers[stage].get(peer)
         address = load.record.address if load is not None and self.direct else ""
         if address and self._unreachable.get(peer, 0.0) <= time.monotonic():
@@ -693,7 +697,8 @@ class StageRouter:
                 failed.add(peer)
         raise StageUnavailableError(f"Could not download the state of stage {stage}: {len(errors)} attempts failed")
 
-    def _banned(self, stage: int, peer: str) -> bool:
+    def is_banned(self, stage: int, peer: str) -> bool:
+        """Whether ``peer`` (of ``stage``) failed a call lately and is banned for now."""
         with self._lock:
             load = self._peers[stage].get(peer)
             return load is not None and load.banned_until > time.monotonic()

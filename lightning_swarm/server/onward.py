@@ -201,6 +201,10 @@ class Onward:
         if left is not None and left <= 0:  # the caller stops waiting: the trainer sends it, blaming nobody
             self.parcels.park(request["parcel"], grad)
             return Receipt(stopped=True).encode()
+        if routes.is_banned(hop["stage"], hop["peer"]):  # it failed this peer lately: the trainer recomputes that
+            # hop at once, rather than after this peer waited for it again until the trainer's deadline
+            self.parcels.park(request["parcel"], grad)
+            return Receipt(stopped=True, error=f"peer {hop['peer']} of stage {hop['stage']} is banned here").encode()
         try:
             routes.call_peer(hop["stage"], hop["peer"], "backward", [grad], request, batch, check, False, left)
         except NonFiniteInputError:

@@ -236,6 +236,32 @@ def test_a_backward_the_next_peer_fails_stops_there_and_counts_one_failed_call(s
         servers[1].shutdown()
 
 
+def test_a_backward_to_a_peer_the_server_banned_is_parked_at_once():
+    """Two microbatches' forwards kept on stage 1's peer p1, which then fails: the first backward's hand-on to it
+    fails and the stage-2 peer bans it; the second is parked at once, p1 not called again (each call to an
+    unreachable peer waited until the trainer's deadline), and the trainer recomputes both on p1b. Exact."""
+    servers = [stage(k) for k in range(3)]
+    modules = [s.module for s in servers]
+    x = torch.randn(4, 8)
+    stages = [{"p0": servers[0]}, {"p1": servers[1], "p1b": stage(1)}, {"p2": servers[2]}]
+    router = swarm(stages, first=("p1",))
+    failing = Failing()
+    try:
+        inputs = [chunk.clone().requires_grad_() for chunk in x.chunk(2)]
+        remote = pipeline(router, modules, microbatches=1)
+        outputs = [remote(chunk) for chunk in inputs]
+        for seen_by in (router, servers[2].onward.routes):
+            seen_by.servers["p1"] = failing
+        for chunk, y in zip(inputs, outputs):
+            y.square().sum().backward()
+            torch.testing.assert_close(chunk.grad, plain(modules, chunk.detach(), microbatches=1)[1], rtol=0, atol=0)
+        assert failing.calls == 1 and router.stats.recomputed == 2
+    finally:
+        shutdown(router)
+        stages[1]["p1b"].shutdown()
+        servers[1].shutdown()
+
+
 def test_after_a_chain_stopped_at_a_stage_server_the_trainer_relays_for_a_ban_timeout_doubled_while_it_recurs():
     """Stage 1's peer sees no peer of stage 2 (its view is stale): the first batch's chains stop there after its wait,
     and the trainer relays them; the next batch is relayed at once, without a chain, within ban_timeout. Once that
