@@ -262,6 +262,25 @@ def test_a_backward_to_a_peer_the_server_banned_is_parked_at_once():
         servers[1].shutdown()
 
 
+def test_a_trainer_told_its_own_stage_server_was_unreachable_computes_the_hop_there_without_banning_itself():
+    """The trainer serves stage 0 itself; stage 1's peer cannot reach it to hand the gradient back (to it, the
+    trainer fails): the gradient is parked, and the trainer recomputes stage 0 on its own server, banning nobody
+    (banning itself left its stage with no live peer). Exact."""
+    servers = [stage(k) for k in range(2)]
+    modules = [s.module for s in servers]
+    x = torch.randn(4, 8)
+    stages = [{"trainer": servers[0]}, {"p1": servers[1]}]
+    router = swarm(stages, servers_see=[{"trainer": Failing()}, stages[1]])
+    router.local_server = servers[0]
+    try:
+        remote = RemotePipeline(router, "none", 1, spans=SPANS[:2], meta=MetaBlocks(modules), wiring="chain")
+        got = run(remote, x)
+        torch.testing.assert_close(got[1], plain(modules, x, microbatches=1)[1], rtol=0, atol=0)
+        assert router.stats.recomputed == 1 and not router.banned("trainer") and router.stats.failed == {}
+    finally:
+        shutdown(router)
+
+
 def test_after_a_chain_stopped_at_a_stage_server_the_trainer_relays_for_a_ban_timeout_doubled_while_it_recurs():
     """Stage 1's peer sees no peer of stage 2 (its view is stale): the first batch's chains stop there after its wait,
     and the trainer relays them; the next batch is relayed at once, without a chain, within ban_timeout. Once that
