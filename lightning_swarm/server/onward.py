@@ -9,8 +9,9 @@ receipt that says the chain stopped here and which peers failed on the way; the 
 itself. A next stage that finds NaN or Inf in the output refuses it: this peer made it, so it reports its own
 failure (:class:`~lightning_swarm.errors.StageFailedError`) and its caller fails over to another peer of this
 stage. Backward goes to the peer that kept the forward, named by the trainer; if that peer cannot take it (gone, or
-it dropped the forward's graph), or the caller stops waiting first, the gradient is parked here and the receipt
-says the chain stopped: the trainer recomputes that hop from its input. A peer calling a peer is authenticated,
+it dropped the forward's graph), this peer banned it lately (a call to it failed), or the caller stops waiting
+first, the gradient is parked here and the receipt says the chain stopped: the trainer recomputes that hop from its
+input. A peer calling a peer is authenticated,
 authorized and queued like any caller.
 
 The handing on runs on threads of its own (routers block), so the event loop goes on serving meanwhile.
