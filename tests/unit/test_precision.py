@@ -67,6 +67,14 @@ class Accumulated(StageOptimizerStub, list):
         self.append(batch_size)
 
 
+def handed_over(accumulated: Accumulated, count: int) -> None:
+    """Wait (up to 10 s) until ``count`` microbatches were handed to the stage optimizer: a stage's worker hands the
+    gradients over just after answering the backward."""
+    deadline = time.monotonic() + 10
+    while len(accumulated) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 @pytest.fixture
 def make_server():
     servers = []
@@ -165,9 +173,7 @@ def test_16_mixed_unscales_the_trainers_loss_scale_as_grad_scaler_does(make_serv
     ask(server, "forward", [x], keep="k")
     loss_scale = scaler.get_scale()  # what the strategy sends
     grads = served(server, ask(server, "backward", [scaler.scale(g)], kept="k", loss_scale=loss_scale))
-    deadline = time.monotonic() + 10  # the worker hands the gradients over just after answering
-    while not accumulated and time.monotonic() < deadline:
-        time.sleep(0.01)
+    handed_over(accumulated, 1)
     assert torch.equal(grads[0], plain[0])
     for got, p in zip(grads[1:], reference.parameters()):
         assert torch.equal(got, p.grad)
@@ -205,9 +211,7 @@ def test_16_mixed_overflow_skips_the_microbatch_and_leaves_the_stage_untouched(m
     assert accumulated == [4] and info["backward_samples"] == 4 and info["skipped_samples"] == 4
 
     assert ask(server, "backward", [x, g * LOSS_SCALE], loss_scale=LOSS_SCALE).isfinite().all()
-    deadline = time.monotonic() + 10  # the worker hands the gradients over just after answering
-    while len(accumulated) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    handed_over(accumulated, 2)
     assert accumulated == [4, 4]
 
 
@@ -264,6 +268,7 @@ def test_16_mixed_trainer_and_stages_follow_plain_16_mixed_training(make_server,
         assert local_in.weight.grad.isnan().any()
         assert accumulated == [] and [s.info()["skipped_samples"] for s in servers] == [4, 4]
         return
+    handed_over(accumulated, 2)
     assert accumulated == [4, 4]
     assert torch.equal(local_in.weight.grad, plain[0].weight.grad)
     stage_grads = [p.grad for server in servers for p in server.params]
