@@ -54,7 +54,7 @@ from lightning_swarm import block_calls, compression, protocol
 from lightning_swarm.block_calls import Call, MetaBlocks
 from lightning_swarm.chain_wiring import Receipt, ReceiptCheck
 from lightning_swarm.client.microbatch_tuning import Microbatches, MicrobatchTuner
-from lightning_swarm.client.routing import MAX_BAN_FACTOR, PendingCall, ReplyCheck, StageRouter
+from lightning_swarm.client.routing import PendingCall, ReplyCheck, StageRouter, ban_seconds
 from lightning_swarm.errors import (
     CALLERS_FAULT,
     ActivationsLostError,
@@ -867,11 +867,11 @@ class _ChainStopped(Exception):
 
 
 class _RelayPause:
-    """After a stage server could not hand a chained forward on, this trainer relays its microbatches itself for a
-    while (the router's ``ban_timeout``), doubled with each such stop in a row (a chain that passes ends the row), up
-    to ``MAX_BAN_FACTOR`` times. A server whose view of the next stage is stale, or that cannot reach that stage's
-    peers, would otherwise hold every microbatch for its whole wait for a peer (``Onward.wait_timeout``) before this
-    trainer relays it."""
+    """After a stage server could not hand a chained forward on, this trainer relays its microbatches itself for as
+    long as a peer failing as often in a row would be banned (:func:`~lightning_swarm.client.routing.ban_seconds`;
+    a chain that passes ends the row). A server whose view of the next stage is stale, or that cannot reach that
+    stage's peers, would otherwise hold every microbatch for its whole wait for a peer (``Onward.wait_timeout``)
+    before this trainer relays it."""
 
     def __init__(self) -> None:
         self._stops, self._until = 0, -math.inf
@@ -881,13 +881,13 @@ class _RelayPause:
         return time.monotonic() < self._until
 
     def start(self, seconds: float) -> None:
-        """A chain stopped at a stage server: pause chaining for ``seconds`` times the stops in a row's factor, unless
-        a chain in flight with it paused it already."""
+        """A chain stopped at a stage server: pause chaining (``seconds``: the router's ``ban_timeout``), unless a
+        chain in flight with it paused it already."""
         with self._lock:
             if self.active():
                 return
             self._stops += 1
-            pause = seconds * min(2 ** (self._stops - 1), MAX_BAN_FACTOR)
+            pause = ban_seconds(seconds, self._stops)
             self._until = time.monotonic() + pause
         log.warning("A stage server could not hand a microbatch on: relaying microbatches here for %.0fs", pause)
 

@@ -68,6 +68,12 @@ MAX_REPLY_BYTES = 256 * 2**20  # a reply's tensor, decoded: as much as a stage s
 Reply = list[runtime_pb2.Tensor]
 
 
+def ban_seconds(ban_timeout: float, failures: int) -> float:
+    """How long a ban after ``failures`` failures in a row lasts: ``ban_timeout``, doubled with each failure after
+    the first, up to ``MAX_BAN_FACTOR`` times."""
+    return ban_timeout * min(2 ** (failures - 1), MAX_BAN_FACTOR)
+
+
 @dataclass
 class ReplyCheck:
     """What a stage's reply must be: one floating-point tensor of ``batch`` samples; of exactly ``shape`` and
@@ -708,8 +714,7 @@ class StageRouter:
             load = self._peers[stage].get(peer)
             if load is not None:
                 load.failures += 1
-                factor = min(2 ** (load.failures - 1), MAX_BAN_FACTOR)
-                load.banned_until = time.monotonic() + self.ban_timeout * factor
+                load.banned_until = time.monotonic() + ban_seconds(self.ban_timeout, load.failures)
 
 
 def _remote_error(error: P2PHandlerError) -> Exception:

@@ -11,8 +11,7 @@ failure (:class:`~lightning_swarm.errors.StageFailedError`) and its caller fails
 stage. Backward goes to the peer that kept the forward, named by the trainer; if that peer cannot take it (gone, or
 it dropped the forward's graph), this peer banned it lately (a call to it failed), or the caller stops waiting
 first, the gradient is parked here and the receipt says the chain stopped: the trainer recomputes that hop from its
-input. A peer calling a peer is authenticated,
-authorized and queued like any caller.
+input. A peer calling a peer is authenticated, authorized and queued like any caller.
 
 The handing on runs on threads of its own (routers block), so the event loop goes on serving meanwhile.
 """
