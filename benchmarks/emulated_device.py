@@ -32,8 +32,8 @@ memory (not of one made on the host, such as a receipt: that is there already), 
 codec's kernels (8-bit quantize on encoding, and dequantize when decoding onto the device, after the host copy into
 a staging buffer and an asynchronous host-to-device copy); and the stage optimizer: gradient accumulation on the
 device; alone (or after a failed round) the gradient's copy and scaling on the device, with a round (or delayed
-updates) hivemind's copies of the whole gradient into shared host memory and back and its scaling on one host thread
-(emulated waits, for the parameter count of the real model, ``EmulatedDevice.optimizer_numel``); the optimizer's own
+updates) its scaling on the device and its copies into pinned shared host memory and back (``device_sync.copy_scaled``
+and ``copy_waited``; for the parameter count of the real model, ``EmulatedDevice.optimizer_numel``); the optimizer's own
 step kernel (instead of its real step, on a GPU's resident optimizer) and the accumulators' reset
 (:func:`_install_optimizer`). The pipeline's blocks are
 :class:`EmulatedBlock`: their parameters are one element each (the real block's names, their real sizes in
@@ -86,7 +86,7 @@ KERNELS = (BLOCK_FORWARD, BLOCK_BACKWARD, CODEC, FINITE, LOCAL, OPTIMIZER)  # 1.
 BLOCKS = (BLOCK_FORWARD, BLOCK_BACKWARD)
 # the device's other records: an asynchronous copy on a stream, a host blocked (extra: HOST_*), a sync's wait
 COPY, HOST_WAIT, SYNC = 10, 11, 12
-HOST_D2H, HOST_H2D, HOST_SCALE, HOST_READ, HOST_ADAM = 1, 2, 3, 4, 5
+HOST_H2D, HOST_READ, HOST_ADAM = 2, 4, 5  # 1 and 3 were hivemind's host copy and scaling of a round's gradient
 # what the swarm did (instrument): on a stage server, then on the trainer
 ARRIVE, SUBMIT, SERVE, ANSWER, HANDOVER, STEP = 20, 21, 22, 23, 24, 25
 ROUTE, CALL, CHECK, PIPE_FORWARD, PIPE_BACKWARD, BATCH = 30, 31, 32, 33, 34, 35
@@ -120,7 +120,6 @@ class Calibration:
     pinned: float = 25e9  # bytes/s of copies between pinned host memory and the device (asynchronous)
     pageable: float = 12e9  # bytes/s of copies between pageable host memory and the device (the host blocks)
     copy_latency: float = 1e-5  # seconds each copy costs besides its bytes
-    host_memory: float = 8e9  # bytes/s one host thread scales a buffer in place at (read and write)
     host_adam: float = 5e-9  # seconds per parameter of an AdamW step on one host thread (delayed updates; measured)
 
     def block_seconds(self, kind: int, samples: int) -> float:
@@ -661,26 +660,23 @@ def _install_optimizer(device: EmulatedDevice) -> None:
     - synchronous updates, no round (one peer, or a failed round): the accumulators copied into ``.grad`` and scaled
       there, on the device (``SwarmOptimizer._load_local_gradients_into_optimizer``: one multi-tensor copy and one
       multi-tensor multiply, each reading and writing 4 bytes per element), then the optimizer's step kernel;
-    - synchronous updates, a round: hivemind's path, the accumulators copied into shared host memory (pageable) and
-      scaled on one thread, averaged, copied back, then the step kernel;
-    - delayed updates (the optimizer offloaded to the host): the accumulators copied into shared host memory and
-      scaled on one thread, the AdamW step on one host thread in hivemind's background thread, the new parameters
-      copied back to the device when applied;
+    - synchronous updates, a round: the accumulators scaled on the device and copied into the shared host memory,
+      pinned (``device_sync.copy_scaled``), averaged, copied back from there (``device_sync.copy_waited``), then the
+      step kernel;
+    - delayed updates (the optimizer offloaded to the host): the accumulators scaled and copied into the shared host
+      memory the same way, the AdamW step on one host thread in hivemind's background thread, the new parameters
+      copied back to the device when applied (pageable);
 
     then the accumulators zeroed. Sizes: the real model's parameters (``device.optimizer_numel``), fp32."""
-    from hivemind.optim.grad_averager import GradientAverager
-    from hivemind.optim.optimizer import Optimizer
     from hivemind.optim.state_averager import TrainingStateAverager
 
+    from lightning_swarm import device_sync
     from lightning_swarm.optimizer import BoundedGradientAverager, SwarmOptimizer
 
     cal = device.cal
-    accumulate, load, reset = (
-        BoundedGradientAverager.accumulate_grads_,
-        GradientAverager.load_accumulators_into_averager_,
-        BoundedGradientAverager.reset_accumulated_grads_,
-    )
-    into_optimizer, state_init = Optimizer._load_averaged_gradients_into_optimizer_, TrainingStateAverager.__init__
+    accumulate, reset = BoundedGradientAverager.accumulate_grads_, BoundedGradientAverager.reset_accumulated_grads_
+    copy_scaled, copy_waited = device_sync.copy_scaled, device_sync.copy_waited
+    state_init = TrainingStateAverager.__init__
     local_into_optimizer = SwarmOptimizer._load_local_gradients_into_optimizer
     apply_parameters = TrainingStateAverager._apply_optimizer_parameters_
 
@@ -688,19 +684,20 @@ def _install_optimizer(device: EmulatedDevice) -> None:
         accumulate(self, batch_size)
         device.memory_kernel(12 * device.optimizer_numel, OPTIMIZER, launches=2)
 
-    def load_accumulators_into_averager_(self) -> None:
-        device.pageable_copy(4 * device.optimizer_numel, HOST_D2H)
-        load(self)
-        device.blocking(8 * device.optimizer_numel / cal.host_memory, HOST_SCALE, 8 * device.optimizer_numel)
+    def emulated_copy_scaled(destinations: Any, sources: Any, scale: float) -> None:
+        device.memory_kernel(8 * device.optimizer_numel, OPTIMIZER)
+        device.copy_async(4 * device.optimizer_numel)
+        device.synchronize()
+        copy_scaled(destinations, sources, scale)
+
+    def emulated_copy_waited(destinations: Any, sources: Any) -> None:
+        device.copy_async(4 * device.optimizer_numel)
+        device.synchronize()
+        copy_waited(destinations, sources)
 
     def reset_accumulated_grads_(self) -> None:
         reset(self)
         device.memory_kernel(4 * device.optimizer_numel, OPTIMIZER)
-
-    def load_into_optimizer(self) -> None:
-        if not self.offload_optimizer:
-            device.pageable_copy(4 * device.optimizer_numel, HOST_H2D)
-        into_optimizer(self)
 
     def load_local_into_optimizer(self) -> None:
         local_into_optimizer(self)
@@ -727,9 +724,8 @@ def _install_optimizer(device: EmulatedDevice) -> None:
         apply_parameters(self)
 
     BoundedGradientAverager.accumulate_grads_ = accumulate_grads_
-    GradientAverager.load_accumulators_into_averager_ = load_accumulators_into_averager_
+    device_sync.copy_scaled, device_sync.copy_waited = emulated_copy_scaled, emulated_copy_waited
     BoundedGradientAverager.reset_accumulated_grads_ = reset_accumulated_grads_
-    Optimizer._load_averaged_gradients_into_optimizer_ = load_into_optimizer
     SwarmOptimizer._load_local_gradients_into_optimizer = load_local_into_optimizer
     TrainingStateAverager.__init__ = init
     TrainingStateAverager._apply_optimizer_parameters_ = apply_optimizer_parameters_

@@ -863,9 +863,8 @@ def write(runs: list[dict], path: Path) -> None:
         f"{1e3 * cal['launch_forward']:.2f} / {1e3 * cal['launch_backward']:.2f} ms, AdamW on one host thread "
         f"{1e9 * cal['host_adam']:.1f} ns per parameter. Assumed: HBM {cal['hbm'] / 1e12:g} TB/s, copies "
         f"{cal['pinned'] / 1e9:g} GB/s pinned and {cal['pageable'] / 1e9:g} GB/s pageable "
-        f"(+{1e6 * cal['copy_latency']:g} us each), host scaling {cal['host_memory'] / 1e9:g} GB/s on one "
-        f"thread. The run took {latest['seconds']:.0f} s; load average {load['start'][0]:.1f} at its start, "
-        f"{load['end'][0]:.1f} at its end (2 cores, shared).",
+        f"(+{1e6 * cal['copy_latency']:g} us each). The run took {latest['seconds']:.0f} s; load average "
+        f"{load['start'][0]:.1f} at its start, {load['end'][0]:.1f} at its end (2 cores, shared).",
         "",
         "### Targets, one row per run (today's code first)",
         "",

@@ -9,6 +9,12 @@ optimizer (one ``SwarmOptimizer``, alone, its DHT on loopback, over one stage of
 cycle: a cycle is 4 backwards' hand-overs (``optimizer.step(batch_size)`` then ``zero_grad``, as a stage server does),
 the 4th of which steps. Host: until the call returns; total: until the device has done its work too.
 
+A round (the peers of a stage averaging their gradients) adds two copies around its all-reduce: the accumulated
+gradients, scaled, into the averager's shared host buffers, and the average back into ``.grad``. hivemind copies
+tensor by tensor through pageable memory and scales on the host; ours scales on the device and copies to and from the
+buffers pinned (``device_sync.copy_scaled``, ``copy_waited``). Each cycle also times those two copies ("per round",
+no all-reduce) each way on the same optimizer (hivemind's on shared buffers of its own, not pinned).
+
     python benchmarks/optimizer_host.py            # d_model 64 on the CPU; 1024 and 2048 on a GPU if there is one
     python benchmarks/optimizer_host.py --smoke    # seconds-long check that the script works
 """
@@ -29,6 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples"))
 from gpt import Block  # noqa: E402
 from harness import script_parser  # noqa: E402
+from hivemind.optim import Optimizer  # noqa: E402
 from hivemind.optim.grad_averager import GradientAverager  # noqa: E402
 from report import RESULTS, machine, save_data, table, update_section  # noqa: E402
 
@@ -51,16 +58,26 @@ def per_tensor_load(optimizer: SwarmOptimizer) -> None:
     averager.notify_used_averaged_gradients()
 
 
-def use(optimizer: SwarmOptimizer, variant: str) -> None:
-    """Switch ``optimizer`` to ``variant``: hivemind's per-tensor methods bound on the instance, or none (ours)."""
+AVERAGER_METHODS = ("accumulate_grads_", "reset_accumulated_grads_", "load_accumulators_into_averager_")
+OPTIMIZER_METHODS = ("_load_local_gradients_into_optimizer", "_load_averaged_gradients_into_optimizer_")
+
+
+def use(optimizer: SwarmOptimizer, variant: str, buffers: dict[str, tuple]) -> None:
+    """Switch ``optimizer`` to ``variant``: hivemind's per-tensor methods bound on the instance, or none (ours); and
+    its averager to the variant's shared buffers (``buffers``)."""
     averager = optimizer.grad_averager
-    for name in ("accumulate_grads_", "reset_accumulated_grads_"):
+    for name in AVERAGER_METHODS:
         vars(averager).pop(name, None)
-    vars(optimizer).pop("_load_local_gradients_into_optimizer", None)
+    for name in OPTIMIZER_METHODS:
+        vars(optimizer).pop(name, None)
+    averager._averaged_tensors = buffers[variant]
     if variant == VARIANTS[0]:
-        averager.accumulate_grads_ = types.MethodType(GradientAverager.accumulate_grads_, averager)
-        averager.reset_accumulated_grads_ = types.MethodType(GradientAverager.reset_accumulated_grads_, averager)
+        for name in AVERAGER_METHODS:
+            setattr(averager, name, types.MethodType(getattr(GradientAverager, name), averager))
         optimizer._load_local_gradients_into_optimizer = types.MethodType(per_tensor_load, optimizer)
+        optimizer._load_averaged_gradients_into_optimizer_ = types.MethodType(
+            Optimizer._load_averaged_gradients_into_optimizer_, optimizer
+        )
 
 
 def measure(d_model: int, device: torch.device, cycles: int) -> dict:
@@ -73,24 +90,30 @@ def measure(d_model: int, device: torch.device, cycles: int) -> dict:
     optimizer = swarm_optimizer(
         node.dht, "optimizer_host", torch.optim.AdamW(params, lr=1e-4), PER_STEP * BATCH, 1.0, 5.0
     )
-    times = {v: {part: [] for part in ("backward host", "backward", "step host", "step")} for v in VARIANTS}
+    parts = ("backward host", "backward", "step host", "step", "round host", "round")
+    times = {v: {part: [] for part in parts} for v in VARIANTS}
     steps = dict.fromkeys(VARIANTS, 0)
+    ours = optimizer.grad_averager._averaged_tensors  # pinned on a GPU
+    buffers = {VARIANTS[0]: tuple(t.clone().share_memory_() for t in ours), VARIANTS[1]: ours}
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     try:
         for cycle in range(cycles + 1):  # the first: a warm-up of each
             for variant in VARIANTS if cycle % 2 else VARIANTS[::-1]:  # each goes first in half the cycles
-                use(optimizer, variant)
+                use(optimizer, variant, buffers)
                 for call in range(PER_STEP):
                     for param, grad in zip(params, grads):
                         param.grad = grad
                     epoch = optimizer.local_epoch
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
+                    synchronize()
                     start = time.perf_counter()
                     optimizer.step(batch_size=BATCH)
                     optimizer.zero_grad()
                     returned = time.perf_counter()
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
+                    synchronize()
                     done = time.perf_counter()
                     stepped = optimizer.local_epoch > epoch
                     if stepped != (call == PER_STEP - 1):
@@ -100,7 +123,25 @@ def measure(d_model: int, device: torch.device, cycles: int) -> dict:
                         part = "step" if stepped else "backward"
                         times[variant][f"{part} host"].append(returned - start)
                         times[variant][part].append(done - start)
+                averager = optimizer.grad_averager  # a round's copies (of three backwards), no all-reduce
+                for _ in range(3):
+                    for param, grad in zip(params, grads):
+                        param.grad = grad.clone()
+                    averager.accumulate_grads_(BATCH)
+                synchronize()
+                start = time.perf_counter()
+                averager.load_accumulators_into_averager_()
+                optimizer._load_averaged_gradients_into_optimizer_()
+                returned = time.perf_counter()
+                synchronize()
+                if cycle:
+                    times[variant]["round host"].append(returned - start)
+                    times[variant]["round"].append(time.perf_counter() - start)
+                if not all(torch.equal(p.grad, (g + g + g).mul_(1 / 3)) for p, g in zip(params, grads)):
+                    raise RuntimeError(f"{variant}: a round's copies did not give hivemind's gradients")
+                averager.reset_accumulated_grads_()
     finally:
+        use(optimizer, VARIANTS[1], buffers)  # its own buffers back: the pinned ones are unregistered at shutdown
         optimizer.shutdown()
         node.shutdown()
     return {
@@ -132,6 +173,12 @@ def main() -> None:
     save_data("optimizer_host", rows, out.parent / "results")
 
 
+def ratio(row: dict, part: str) -> float:
+    """hivemind's way over ours: host times, or for a round (which waits for its copies) total times."""
+    key = part if part == "round" else f"{part} host"
+    return row["ms"][VARIANTS[0]][key] / row["ms"][VARIANTS[1]][key]
+
+
 def write(rows: list[dict], path: Path, smoke: bool) -> None:
     old, new = VARIANTS
     lines = [
@@ -140,20 +187,22 @@ def write(rows: list[dict], path: Path, smoke: bool) -> None:
         f"`python benchmarks/optimizer_host.py`{' --smoke' if smoke else ''}, {machine()} (see its docstring): one "
         f"stage of {BLOCKS} examples/gpt.py blocks, one `SwarmOptimizer` alone, a step every {PER_STEP} backwards; "
         "the two ways take turns cycle by cycle on the same optimizer. Median ms: host (until the call returns) / "
-        "total (the device done too). Ratio: per-tensor over multi-tensor, host.",
+        "total (the device done too). Ratio: per-tensor over multi-tensor, host (per round: total). Per round: a "
+        "round's two copies, hivemind's (through pageable memory, scaled on the host) against ours (scaled on the "
+        "device, through pinned memory on a GPU).",
         "",
         *table(
             ["device", "d_model", "tensors", "cycles", "per backward: per tensor", "multi-tensor", "ratio"]
-            + ["per step: per tensor", "multi-tensor", "ratio"],
+            + ["per step: per tensor", "multi-tensor", "ratio", "per round: hivemind", "ours", "ratio"],
             [
                 [row["device"], str(row["d_model"]), str(row["tensors"]), str(row["cycles"])]
                 + [
                     cell
-                    for part in ("backward", "step")
+                    for part in ("backward", "step", "round")
                     for cell in (
                         f"{row['ms'][old][part + ' host']:.3f} / {row['ms'][old][part]:.3f}",
                         f"{row['ms'][new][part + ' host']:.3f} / {row['ms'][new][part]:.3f}",
-                        f"{row['ms'][old][part + ' host'] / row['ms'][new][part + ' host']:.2f}",
+                        f"{ratio(row, part):.2f}",
                     )
                 ]
                 for row in rows

@@ -30,7 +30,7 @@
 #               caching allocator's, 2026-11-28: does this setting take it back?), then bf16-mixed
 #   out_of_core   a stage of 12 blocks of d_model 2048 resident and out of core at 2x and 4x its memory cap: samples/s,
 #               compute and step time apart
-#   gpu_tests   the tests that need a GPU (tests/unit/test_compression.py, tests/unit/test_memory.py)
+#   gpu_tests   the tests that need a GPU (tests/unit/test_compression.py, test_memory.py, test_device_sync.py)
 #   flooding    benchmarks/flooding.py --pairs 2 --steps 40 on this machine's CPU cores (issue 25's flooding target: a
 #               trainer beside a flooding caller keeps 0.8 of its solo rate; on 2 shared cores it kept 0.49-0.55, and
 #               the profile blamed the cores all processes share); last but one, only with FLOODING_LIMIT seconds left
@@ -172,7 +172,7 @@ step out_of_core "${LIMIT[out_of_core]}" python3 benchmarks/out_of_core.py --out
   --d-model 2048 --blocks 12 --warmup 2 --batches 6 --step-every 2
 
 step gpu_tests "${LIMIT[gpu_tests]}" python3 -m pytest -p no:cacheprovider -o addopts= -q -rs -k "gpu or device" \
-  tests/unit/test_compression.py tests/unit/test_memory.py
+  tests/unit/test_compression.py tests/unit/test_memory.py tests/unit/test_device_sync.py
 
 if ((TOTAL - (SECONDS - start) - GRACE >= FLOODING_LIMIT)); then
   step flooding "$FLOODING_LIMIT" bash -c 'mkdir -p "$0/results" && python3 benchmarks/flooding.py --pairs 2 --steps 40 &&

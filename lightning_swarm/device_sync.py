@@ -6,7 +6,10 @@ read once their compute is done), the device-to-host copy of an encoded tensor
 (:func:`~lightning_swarm.compression.encode`), and, to know how long a request computed, a pair of events
 (:func:`mark`, :func:`seconds_between`) read once the device passed them, never waited for. A stage server decodes and
 encodes on a stream of the decoding thread's own (:func:`side_stream`), ordered after the compute by events
-(:func:`wait_for`), so that a reply's copy never waits behind the next request's kernels. Each function is looked up
+(:func:`wait_for`), so that a reply's copy never waits behind the next request's kernels. A stage optimizer's round
+moves its gradients between the device and hivemind's shared host buffers, pinned (:func:`register_pinned`), scaled
+on the device on the way out (:func:`copy_scaled`), in one multi-tensor copy on the way back (:func:`copy_waited`),
+and waits for those copies: another process reads and writes the buffers next. Each function is looked up
 at every call, so that ``benchmarks/gpu_proxy.py`` can put an emulated device in their place (its device time on a
 timeline that the processes of a swarm share); the functions themselves are exactly the torch calls they stand for.
 On the CPU they wait for nothing: the work is done when the call returns.
@@ -15,6 +18,7 @@ On the CPU they wait for nothing: the work is done when the call returns.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +26,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+log = logging.getLogger(__name__)
 _streams = threading.local()  # this thread's side stream, per CUDA device
 
 
@@ -131,3 +136,77 @@ def to_host(parts: list[torch.Tensor]) -> torch.Tensor:
     if gpu is not None:
         torch.cuda.current_stream(gpu).synchronize()
     return host
+
+
+SCALED_CHUNK = 16 * 2**20  # elements a scaled copy to the host scales on the device at once (64 MiB of fp32)
+
+
+def register_pinned(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """Page-lock the host memory of ``tensors`` (allocated already: hivemind's shared-memory buffers) for CUDA, so
+    that copies between it and a GPU run at the pinned rate; returns the addresses registered, for
+    :func:`unregister_pinned`. Without CUDA nothing is registered; memory CUDA refuses stays pageable, and its copies
+    go through the driver's staging buffers, as before."""
+    if not torch.cuda.is_available():
+        return []
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors if not t.is_cuda}
+    registered = []
+    for address, storage in storages.items():
+        if storage.nbytes() == 0 or storage.is_pinned():
+            continue
+        try:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, storage.nbytes(), 0))
+        except (RuntimeError, torch.cuda.CudaError) as e:
+            log.debug("Host memory of %d bytes stays pageable: %r", storage.nbytes(), e)
+            continue
+        registered.append(address)
+    return registered
+
+
+def unregister_pinned(addresses: Iterable[int]) -> None:
+    """Undo :func:`register_pinned` (before the memory is freed)."""
+    for address in addresses:
+        torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def copy_scaled(destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], scale: float) -> None:
+    """Each of ``destinations`` (host memory) set to its source times ``scale``, done when this returns. From a GPU
+    the sources are scaled there, :data:`SCALED_CHUNK` elements at a time (the only extra device memory), and copied
+    without blocking (at the pinned rate where :func:`register_pinned` pinned the destinations), then the current
+    stream is waited for; on the CPU one copy and one multiply, each a multi-tensor call. Either way each value is
+    rounded once, so both give the same bits."""
+    if not any(source.is_cuda for source in sources):
+        torch._foreach_copy_(list(destinations), list(sources))
+        torch._foreach_mul_(list(destinations), scale)
+        return
+    for chunk in _chunks(destinations, sources, SCALED_CHUNK):
+        outs, ins = zip(*chunk)
+        torch._foreach_copy_(list(outs), torch._foreach_mul(list(ins), scale), non_blocking=True)
+    torch.cuda.current_stream(next(s.device for s in sources if s.is_cuda)).synchronize()
+
+
+def copy_waited(destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """Each of ``destinations`` set to its source in one multi-tensor copy, done when this returns: one side is host
+    memory that another process reads or writes next."""
+    torch._foreach_copy_(list(destinations), list(sources), non_blocking=True)
+    gpu = next((t.device for t in (*destinations, *sources) if t.is_cuda), None)
+    if gpu is not None:
+        torch.cuda.current_stream(gpu).synchronize()
+
+
+def _chunks(
+    destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], limit: int
+) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Pairs of flat views of ``destinations`` and ``sources``, grouped so that a group holds at most ``limit``
+    elements (a tensor larger than that is cut into pieces)."""
+    group, size = [], 0
+    for out, source in zip(destinations, sources):
+        out, source = out.view(-1), source.reshape(-1)
+        for start in range(0, out.numel(), limit):
+            piece = (out[start : start + limit], source[start : start + limit])
+            if group and size + piece[0].numel() > limit:
+                yield group
+                group, size = [], 0
+            group.append(piece)
+            size += piece[0].numel()
+    if group:
+        yield group

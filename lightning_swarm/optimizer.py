@@ -51,7 +51,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
 from hivemind.utils.performance_ema import PerformanceEMA
 
-from lightning_swarm import discovery
+from lightning_swarm import device_sync, discovery
 from lightning_swarm.errors import MID_STEP
 from lightning_swarm.logs import RateLimit
 from lightning_swarm.node import exit_with_parent
@@ -629,12 +629,32 @@ class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaki
 
     It declares no state to download: a newcomer downloads the state averager's, and hivemind resets the gradients
     it accumulates after a download. hivemind's declared one at every step, a DHT store each.
+
+    A round's gradients go from the device into its shared host buffers, pinned for a GPU, scaled there on the way
+    (:meth:`load_accumulators_into_averager_`): hivemind copies them through pageable memory and scales them on one
+    host thread.
     """
 
     owner_bounds_triggered_rounds = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **{"allow_state_sharing": False, **kwargs})
+        on_gpu = any(param.is_cuda for param in self.parameters)
+        self._pinned = device_sync.register_pinned(self._averaged_tensors) if on_gpu else []
+
+    @torch.no_grad()
+    def load_accumulators_into_averager_(self) -> None:
+        """hivemind's load of the accumulated gradients, divided by the backwards accumulated, into the buffers the
+        all-reduce reads: on a GPU scaled on the device and copied into pinned memory (``device_sync.copy_scaled``),
+        done before the averager's process may read them."""
+        scale = 1.0 / self.local_times_accumulated if self.local_times_accumulated else 0.0
+        with self.get_tensors() as averaged:
+            device_sync.copy_scaled(averaged, list(self._grad_accumulators()), scale)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        device_sync.unregister_pinned(self._pinned)
+        self._pinned = []
 
     @torch.no_grad()
     def accumulate_grads_(self, batch_size: int) -> None:
@@ -697,12 +717,37 @@ class ConsistentStateAverager(
     for the pending step briefly (within the downloader's patience) and is refused if it is still running, so the
     downloader asks again later; the state is read under the optimizer's lock. Its rounds are bounded as
     :class:`_BoundedMatchmaking` says; it starts by fork (:class:`_StartsByFork`); it declares itself a donor
-    coalesced (:class:`_DeclaresCoalesced`).
+    coalesced (:class:`_DeclaresCoalesced`). A round's copies of the state between the device and the shared host
+    buffers are multi-tensor calls, through pinned memory on a GPU, waited for before the averager's process uses the
+    buffers (hivemind copies tensor by tensor through pageable memory).
     """
 
     def __init__(self, *args: Any, request_timeout: float = 3.0, **kwargs: Any) -> None:
         super().__init__(*args, request_timeout=request_timeout, **kwargs)
         self.patience = request_timeout / 2  # a downloader waits request_timeout for the first part of the state
+        on_gpu = any(tensor.is_cuda for tensor in self._local_tensors())
+        self._pinned = device_sync.register_pinned(self._averaged_tensors) if on_gpu else []
+
+    @torch.no_grad()
+    def _load_local_tensors_into_averager_(self) -> None:
+        with self.get_tensors() as averaged:
+            device_sync.copy_waited(averaged, list(self._local_tensors()))
+
+    @torch.no_grad()
+    def _apply_averaging_results_(self) -> None:
+        if self.delta_rule_averaging:
+            super()._apply_averaging_results_()
+            return
+        with self.get_tensors() as averaged:
+            local = list(self._local_tensors())
+            if len(local) != len(averaged):
+                raise RuntimeError(f"{len(averaged)} averaged tensors for {len(local)} local ones")
+            device_sync.copy_waited(local, averaged)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        device_sync.unregister_pinned(self._pinned)
+        self._pinned = []
 
     def get_current_state(self):
         deadline = time.monotonic() + self.patience
@@ -957,14 +1002,22 @@ class SwarmOptimizer(hivemind.Optimizer):
         super()._tag_along_with_zero_weight(control)
 
     def _load_averaged_gradients_into_optimizer_(self) -> None:
-        # hivemind makes a missing .grad (zero_grad sets it to None) a clone of the averaged gradient, which lives on
-        # the host: a GPU parameter refuses it, and the step after an idle peer joined a round failed. Device zeros
-        # first, so that the averaged gradient is copied onto the device.
-        if not self.offload_optimizer:
-            for param in self.state_averager.main_parameters:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-        super()._load_averaged_gradients_into_optimizer_()
+        """The round's averaged gradients into ``.grad``, in one multi-tensor copy (from pinned memory on a GPU),
+        done before the averager's process may write the buffers again; hivemind copies them tensor by tensor.
+        hivemind also made a missing ``.grad`` (zero_grad sets it to None) a clone of the averaged gradient, on the
+        host: a GPU parameter refused it, and the step after an idle peer joined a round failed."""
+        if self.offload_optimizer:  # the averaged gradients are the offloaded optimizer's own
+            super()._load_averaged_gradients_into_optimizer_()
+            return
+        params = [param for group in self.state_averager.optimizer.param_groups for param in group["params"]]
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.empty_like(param)
+        with torch.no_grad(), self.grad_averager.get_tensors() as averaged:
+            if len(averaged) != len(params):
+                raise RuntimeError(f"{len(averaged)} averaged gradients for {len(params)} parameters")
+            device_sync.copy_waited([param.grad for param in params], averaged)
+        self.grad_averager.notify_used_averaged_gradients()
 
     def load_state_from_peers(self, **kwargs: Any) -> bool:
         """Download the newest state of the peers sharing this optimizer; returns whether this peer is now at the

@@ -80,13 +80,20 @@ OVERRIDES = [
         "bounds a triggered round's matchmaking, counts failed rounds",
     ),
     (Optimizer, "_tag_along_with_zero_weight", ["self", "control"], "bounds the round it tags along with"),
-    (Optimizer, "_load_averaged_gradients_into_optimizer_", ["self"], "gives a missing .grad device zeros first"),
+    (Optimizer, "_load_averaged_gradients_into_optimizer_", ["self"], "copies all at once, onto the device"),
     (Optimizer, "_should_load_state_from_peers", ["self"], "lets a peer one epoch behind join the round"),
     (Optimizer, "_maybe_schedule_gradient_averaging", ["self"], "schedules no gradient round ahead of its trigger"),
     (Optimizer, "_maybe_schedule_state_averaging", ["self"], "averages parameters only after an incomplete round"),
     (Optimizer, "_begin_averaging_gradients", ["self", "grad_scaler"], "tells the round how many partners to expect"),
     (Optimizer, "_load_local_gradients_into_optimizer", ["self"], "steps alone on the device's mean gradient"),
+    (TrainingStateAverager, "_load_local_tensors_into_averager_", ["self"], "copies all at once, waited for"),
+    (TrainingStateAverager, "_apply_averaging_results_", ["self"], "copies all at once, waited for"),
 ]
+OURS = {
+    ProgressTracker: optimizer.CountingProgressTracker,
+    Optimizer: optimizer.SwarmOptimizer,
+    TrainingStateAverager: optimizer.ConsistentStateAverager,
+}
 
 
 @pytest.mark.parametrize("base, name, expected, why", OVERRIDES, ids=[f"{b.__name__}.{n}" for b, n, _, _ in OVERRIDES])
@@ -97,7 +104,7 @@ def test_each_overridden_private_method_exists_with_the_signature_the_override_h
         f"hivemind {hivemind.__version__}: {base.__name__}.{name}{inspect.signature(found)} is not what the override "
         f"takes ({', '.join(expected)}; it {why}); {PIN}"
     )
-    ours = optimizer.CountingProgressTracker if base is ProgressTracker else optimizer.SwarmOptimizer
+    ours = OURS[base]
     assert name in vars(ours), f"{ours.__name__} no longer overrides {name}: drop it from this list (and the pin's)"
 
 
