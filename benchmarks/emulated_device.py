@@ -2,8 +2,9 @@
 only the device is emulated.
 
 The device is one timeline shared by every process of the machine: a small file mapped into each of them
-(:class:`Timeline`), its header holding when the device is busy until, then a log of records, appended under a
-lock (a thread lock and ``flock``). Clocks are ``time.monotonic()``, one clock for all processes on Linux.
+(:class:`Timeline`), its header holding when the device is busy until, then the log of its kernels, appended under a
+lock (a thread lock and ``flock``). Everything else a process records goes to a log of its own beside it, under a
+lock of its threads only. Clocks are ``time.monotonic()``, one clock for all processes on Linux.
 
 - A kernel (:meth:`EmulatedDevice.kernel`) is enqueued at ``max(now, device busy until, this process's stream)``
   for its calibrated duration, so kernels of all processes run one at a time, in the order launched; launching it
@@ -52,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import glob
 import hashlib
 import json
 import mmap
@@ -77,8 +79,8 @@ RECORD = np.dtype(
         ("extra", "<i4"),
     ]
 )
-HEADER_BYTES = 64  # busy-until (f8) at 0, record count (i8) at 8, records dropped past capacity (i8) at 16
-BESIDE_SCAN = 4096  # the latest records searched for the kernel running when a kernel beside it became ready
+HEADER_BYTES = 64  # busy-until (f8, the device's log) at 0, record count (i8) at 8, records dropped past capacity at 16
+BESIDE_SCAN = 512  # the latest kernels searched for the one running when a kernel beside it became ready
 
 # record kinds: device kernels (their time is the device's busy time)
 BLOCK_FORWARD, BLOCK_BACKWARD, CODEC, FINITE, LOCAL, OPTIMIZER = 1, 2, 3, 4, 5, 6
@@ -134,35 +136,67 @@ class Calibration:
         return cls(**json.loads(text))
 
 
+class _Log:
+    """Records appended to a file mapped into memory: a header (at 8 the count, at 16 the records dropped past
+    capacity; at 0 the shared log keeps the device's busy-until), then the records. Appending is the caller's to
+    lock."""
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDWR)
+        self.fd = fd
+        self.map = mmap.mmap(fd, os.fstat(fd).st_size)
+        self.counts = np.ndarray((2,), "<i8", self.map, 8)
+        self.capacity = (len(self.map) - HEADER_BYTES) // RECORD.itemsize
+        self.records = np.ndarray((self.capacity,), RECORD, self.map, HEADER_BYTES)
+
+    @staticmethod
+    def create(path: str, capacity: int) -> None:
+        with open(path, "wb") as f:
+            f.truncate(HEADER_BYTES + capacity * RECORD.itemsize)
+
+    def append(self, t0: float, t1: float, proc: int, kind: int, key: int, key2: int, value: float, extra: int) -> None:
+        i = int(self.counts[0])
+        if i >= self.capacity:
+            self.counts[1] += 1
+            return
+        self.records[i] = (t0, t1, value, key, key2, proc, kind, extra)
+        self.counts[0] = i + 1
+
+    def rows(self) -> np.ndarray:
+        return self.records[: int(self.counts[0])]
+
+
 class Timeline:
-    """The device's timeline and the log, in a file mapped by every process (``create`` it first)."""
+    """The device's timeline and the log: the device's kernels in a file mapped by every process (``create`` it
+    first), appended under a lock they share (a thread lock and ``flock``); everything else a process records (its
+    copies, syncs and host waits, what the swarm did) in a file of its own beside it, under a lock of its threads
+    only, so that recording never waits for another process (a GPU's launches never wait on one either)."""
 
     def __init__(self, path: os.PathLike) -> None:
         self.path = str(path)
-        self._fd = os.open(self.path, os.O_RDWR)
-        size = os.fstat(self._fd).st_size
-        self._map = mmap.mmap(self._fd, size)
-        self._busy = np.ndarray((1,), "<f8", self._map, 0)
-        self._counts = np.ndarray((2,), "<i8", self._map, 8)
-        self.capacity = (size - HEADER_BYTES) // RECORD.itemsize
-        self._records = np.ndarray((self.capacity,), RECORD, self._map, HEADER_BYTES)
+        self._shared = _Log(self.path)
+        self._busy = np.ndarray((1,), "<f8", self._shared.map, 0)
+        self._records = self._shared.records
+        self.capacity = self._shared.capacity
         self._thread_lock = threading.Lock()
+        self.own_lock = threading.Lock()  # this process's own log, and its streams' tails (EmulatedDevice)
+        self._own: Optional[_Log] = None  # this process's, made at its first record
+        self._own_pid = 0
 
     @classmethod
     def create(cls, path: os.PathLike, capacity: int = 1 << 20) -> Timeline:
-        with open(path, "wb") as f:
-            f.truncate(HEADER_BYTES + capacity * RECORD.itemsize)
+        _Log.create(str(path), capacity)
         return cls(path)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """Exclusive use of the timeline: other threads of this process and other processes wait."""
+        """Exclusive use of the device's timeline: other threads of this process and other processes wait."""
         with self._thread_lock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            fcntl.flock(self._shared.fd, fcntl.LOCK_EX)
             try:
                 yield
             finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                fcntl.flock(self._shared.fd, fcntl.LOCK_UN)
 
     @property
     def busy_until(self) -> float:
@@ -179,17 +213,31 @@ class Timeline:
         value: float = 0.0,
         extra: int = 0,
     ) -> None:
-        """Add a record (the lock held)."""
-        i = int(self._counts[0])
-        if i >= self.capacity:
-            self._counts[1] += 1
-            return
-        self._records[i] = (t0, t1, value, key, key2, proc, kind, extra)
-        self._counts[0] = i + 1
+        """Add a kernel's record to the device's log (the lock held)."""
+        self._shared.append(t0, t1, proc, kind, key, key2, value, extra)
+
+    def append_own(
+        self,
+        t0: float,
+        t1: float,
+        proc: int,
+        kind: int,
+        key: int = 0,
+        key2: int = 0,
+        value: float = 0.0,
+        extra: int = 0,
+    ) -> None:
+        """Add a record to this process's own log (:attr:`own_lock` held)."""
+        if self._own is None or self._own_pid != os.getpid():  # a forked child records into a log of its own
+            own = f"{self.path}.{os.getpid()}"
+            _Log.create(own, self.capacity)
+            self._own, self._own_pid = _Log(own), os.getpid()
+        self._own.append(t0, t1, proc, kind, key, key2, value, extra)
 
     def record(self, *args: Any, **kwargs: Any) -> None:
-        with self.locked():
-            self.append(*args, **kwargs)
+        """Add a record that is not a kernel: to this process's own log."""
+        with self.own_lock:
+            self.append_own(*args, **kwargs)
 
     def enqueue(
         self,
@@ -219,7 +267,8 @@ class Timeline:
         ready = max(earliest, after)
         if ready >= float(self._busy[0]):
             return self.enqueue(seconds, earliest, after, proc, kind, key, value)
-        recent = self._records[max(0, int(self._counts[0]) - BESIDE_SCAN) : int(self._counts[0])]
+        count = int(self._shared.counts[0])
+        recent = self._records[max(0, count - BESIDE_SCAN) : count]
         t1, kinds = recent["t1"], recent["kind"]  # KERNELS are 1..6: compared (isin sorts: 5x slower)
         running = (recent["t0"] < ready) & (t1 > ready) & (kinds >= BLOCK_FORWARD) & (kinds <= OPTIMIZER)
         running = t1[running & (recent["key2"] == 0)]
@@ -227,15 +276,18 @@ class Timeline:
         self.append(start, start + seconds, proc, kind, key, 1, value)
         return start + seconds
 
+    def _logs(self) -> list[_Log]:
+        return [self._shared] + [_Log(path) for path in sorted(glob.glob(f"{glob.escape(self.path)}.*"))]
+
     def records(self) -> np.ndarray:
-        """A copy of the log so far."""
+        """A copy of the records so far: the device's, then each process's own."""
         with self.locked():
-            return self._records[: int(self._counts[0])].copy()
+            return np.concatenate([log.rows() for log in self._logs()])
 
     @property
     def dropped(self) -> int:
-        """Records not kept: the log was full."""
-        return int(self._counts[1])
+        """Records not kept: a log was full."""
+        return sum(int(log.counts[1]) for log in self._logs())
 
 
 class EmulatedDevice:
@@ -275,7 +327,7 @@ class EmulatedDevice:
         now, stream = time.monotonic(), getattr(self._local, "stream", None)
         if kind in BLOCKS:
             self._compute_stream = stream
-        with self.timeline.locked():
+        with self.timeline.own_lock, self.timeline.locked():
             # launched over [now, now + launch]: the kernel cannot end before its launch does
             earliest = now + max(0.0, launch - seconds)
             if kind in (CODEC, FINITE) and stream != self._compute_stream:
@@ -287,10 +339,10 @@ class EmulatedDevice:
     def copy_async(self, nbytes: int) -> None:
         """An asynchronous copy of ``nbytes`` from pinned memory onto this process's stream."""
         seconds = self.cal.copy_latency + nbytes / self.cal.pinned
-        with self.timeline.locked():
+        with self.timeline.own_lock:  # a stream is this process's: no other process is waited for
             start = max(time.monotonic(), self.tail)
             self.tail = start + seconds
-            self.timeline.append(start, self.tail, self.proc, COPY, value=nbytes)
+            self.timeline.append_own(start, self.tail, self.proc, COPY, value=nbytes)
 
     def synchronize(self, every_stream: bool = False) -> None:
         """Wait until the work enqueued so far on the current thread's stream (or on all of this process's) is done
@@ -312,9 +364,9 @@ class EmulatedDevice:
         start = time.monotonic()
         _wait_until(start + seconds)
         end = time.monotonic()
-        with self.timeline.locked():
+        with self.timeline.own_lock:
             self.tail = max(self.tail, end)
-            self.timeline.append(start, end, self.proc, HOST_WAIT, value=nbytes, extra=what)
+            self.timeline.append_own(start, end, self.proc, HOST_WAIT, value=nbytes, extra=what)
 
     def host_work(self, seconds: float, what: int, nbytes: int = 0) -> None:
         """Host work that needs nothing from the device (the offloaded optimizer's step): a wait of ``seconds``."""

@@ -3,8 +3,10 @@ whole benchmark whose figures must add up."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -42,14 +44,43 @@ def test_a_sync_waits_until_the_work_enqueued_is_done(tmp_path):
     assert time.monotonic() - synced < 0.05
     # a blocking copy waits for the queued work first, then for itself; an asynchronous one only holds the stream
     dev.kernel(0.1, emu.CODEC, launch=0.0)
-    dev.blocking(0.05, emu.HOST_D2H)
-    waited = dev.timeline.records()[-1]
-    assert waited["kind"] == emu.HOST_WAIT and waited["t0"] >= dev.timeline.records()[-3]["t1"]
-    assert waited["t1"] - waited["t0"] >= 0.05
+    dev.blocking(0.05, emu.HOST_H2D)
+    waited, codec = last(dev, emu.HOST_WAIT), last(dev, emu.CODEC)
+    assert waited["t0"] >= codec["t1"] and waited["t1"] - waited["t0"] >= 0.05
     dev.copy_async(25_000_000)  # 1 ms on the stream
     dev.kernel(0.01, emu.CODEC, launch=0.0)
-    copy, kernel = dev.timeline.records()[-2:]
-    assert copy["kind"] == emu.COPY and kernel["t0"] >= copy["t1"] - 1e-9
+    copy, kernel = last(dev, emu.COPY), last(dev, emu.CODEC)
+    assert copy["t0"] >= waited["t1"] and kernel["t0"] >= copy["t1"] - 1e-9
+
+
+def last(dev: emu.EmulatedDevice, kind: int):
+    """The latest record of ``kind``."""
+    records = dev.timeline.records()
+    return records[records["kind"] == kind][-1]
+
+
+def test_recording_and_copies_never_wait_for_another_process_and_all_records_are_read_back(tmp_path):
+    """Another process holding the device's lock (its ``flock``) delays a kernel launch, and nothing else: a record
+    of the swarm's and a copy on a stream go to this process's own log. Reading back gives both logs' records."""
+    dev = device(tmp_path)
+    other = os.open(dev.timeline.path, os.O_RDWR)  # another open file: its flock excludes this process's
+    fcntl.flock(other, fcntl.LOCK_EX)
+    try:
+        recorder = threading.Thread(target=lambda: (dev.timeline.record(1.0, 2.0, 0, emu.ARRIVE), dev.copy_async(8)))
+        launcher = threading.Thread(target=lambda: dev.kernel(1e-3, emu.CODEC, launch=0.0))
+        recorder.start()
+        recorder.join(timeout=10)
+        assert not recorder.is_alive()
+        launcher.start()
+        launcher.join(timeout=0.5)
+        assert launcher.is_alive()  # the kernel waits for the device's lock
+    finally:
+        fcntl.flock(other, fcntl.LOCK_UN)
+        os.close(other)
+    launcher.join(timeout=10)
+    assert not launcher.is_alive()
+    kinds = list(dev.timeline.records()["kind"])
+    assert sorted(kinds) == sorted([emu.ARRIVE, emu.COPY, emu.CODEC])
 
 
 def test_a_side_stream_is_ordered_by_marks_and_waits_for_its_own_work(tmp_path):
