@@ -18,7 +18,8 @@
 #   calibrate   one stage's forward and backward per sample on this GPU (gpu.py --calibrate): the figures
 #               gpu_proxy.py's calibration takes from the H100
 #   optimizer_host  the stage optimizer's work per backward and per step, hivemind's per-tensor loops against the
-#               multi-tensor calls, d_model 1024 and 2048 (optimizer_host.py)
+#               multi-tensor calls, and a round's copies, hivemind's through pageable memory against ours through
+#               pinned memory, d_model 1024 and 2048 (optimizer_host.py)
 #   gpu         gpu.py: d_model 2048 and 1024, 32-true and bf16-mixed, plain training and the swarm at the targets of
 #               GPU_TARGETS (default: batch, a step every batch; all four configurations take ~300 s on an H200, so
 #               target 128 needs a command of its own); 4 and "auto" microbatches in each swarm ("auto" timed once
@@ -62,7 +63,7 @@ TOTAL=540                 # seconds for the whole command
 GRACE=10                  # a step past its limit gets SIGTERM, then SIGKILL this much later
 # measured on an H200 (2026-11-27): install 2 s, imports 28, calibrate 23, one stage_memory run of 8 batches 22,
 # out_of_core 36, gpu_tests 36; the proxy ran past 70
-declare -A LIMIT=([install]=30 [imports]=40 [calibrate]=30 [optimizer_host]=45 [stage_memory]=90 [out_of_core]=50
+declare -A LIMIT=([install]=30 [imports]=40 [calibrate]=30 [optimizer_host]=60 [stage_memory]=90 [out_of_core]=50
   [gpu_tests]=45)
 LATER=(stage_memory out_of_core gpu_tests)  # what the gpu step leaves time for
 FLOODING_LIMIT=90
