@@ -154,7 +154,17 @@ class _Log:
         with open(path, "wb") as f:
             f.truncate(HEADER_BYTES + capacity * RECORD.itemsize)
 
-    def append(self, t0: float, t1: float, proc: int, kind: int, key: int, key2: int, value: float, extra: int) -> None:
+    def append(
+        self,
+        t0: float,
+        t1: float,
+        proc: int,
+        kind: int,
+        key: int = 0,
+        key2: int = 0,
+        value: float = 0.0,
+        extra: int = 0,
+    ) -> None:
         i = int(self.counts[0])
         if i >= self.capacity:
             self.counts[1] += 1
@@ -202,42 +212,18 @@ class Timeline:
     def busy_until(self) -> float:
         return float(self._busy[0])
 
-    def append(
-        self,
-        t0: float,
-        t1: float,
-        proc: int,
-        kind: int,
-        key: int = 0,
-        key2: int = 0,
-        value: float = 0.0,
-        extra: int = 0,
-    ) -> None:
-        """Add a kernel's record to the device's log (the lock held)."""
-        self._shared.append(t0, t1, proc, kind, key, key2, value, extra)
-
-    def append_own(
-        self,
-        t0: float,
-        t1: float,
-        proc: int,
-        kind: int,
-        key: int = 0,
-        key2: int = 0,
-        value: float = 0.0,
-        extra: int = 0,
-    ) -> None:
-        """Add a record to this process's own log (:attr:`own_lock` held)."""
-        if self._own is None or self._own_pid != os.getpid():  # a forked child records into a log of its own
+    def own_log(self) -> _Log:
+        """This process's own log, made at its first record (:attr:`own_lock` held); a forked child gets its own."""
+        if self._own is None or self._own_pid != os.getpid():
             own = f"{self.path}.{os.getpid()}"
             _Log.create(own, self.capacity)
             self._own, self._own_pid = _Log(own), os.getpid()
-        self._own.append(t0, t1, proc, kind, key, key2, value, extra)
+        return self._own
 
     def record(self, *args: Any, **kwargs: Any) -> None:
         """Add a record that is not a kernel: to this process's own log."""
         with self.own_lock:
-            self.append_own(*args, **kwargs)
+            self.own_log().append(*args, **kwargs)
 
     def enqueue(
         self,
@@ -255,7 +241,7 @@ class Timeline:
         start = max(earliest, float(self._busy[0]), after)
         end = start + seconds
         self._busy[0] = end
-        self.append(start, end, proc, kind, key, 0, value, extra)
+        self._shared.append(start, end, proc, kind, key, 0, value, extra)
         return end
 
     def enqueue_beside(
@@ -273,7 +259,7 @@ class Timeline:
         running = (recent["t0"] < ready) & (t1 > ready) & (kinds >= BLOCK_FORWARD) & (kinds <= OPTIMIZER)
         running = t1[running & (recent["key2"] == 0)]
         start = float(running.max()) if len(running) else ready
-        self.append(start, start + seconds, proc, kind, key, 1, value)
+        self._shared.append(start, start + seconds, proc, kind, key, 1, value)
         return start + seconds
 
     def _logs(self) -> list[_Log]:
@@ -342,7 +328,7 @@ class EmulatedDevice:
         with self.timeline.own_lock:  # a stream is this process's: no other process is waited for
             start = max(time.monotonic(), self.tail)
             self.tail = start + seconds
-            self.timeline.append_own(start, self.tail, self.proc, COPY, value=nbytes)
+            self.timeline.own_log().append(start, self.tail, self.proc, COPY, value=nbytes)
 
     def synchronize(self, every_stream: bool = False) -> None:
         """Wait until the work enqueued so far on the current thread's stream (or on all of this process's) is done
@@ -366,7 +352,7 @@ class EmulatedDevice:
         end = time.monotonic()
         with self.timeline.own_lock:
             self.tail = max(self.tail, end)
-            self.timeline.append_own(start, end, self.proc, HOST_WAIT, value=nbytes, extra=what)
+            self.timeline.own_log().append(start, end, self.proc, HOST_WAIT, value=nbytes, extra=what)
 
     def host_work(self, seconds: float, what: int, nbytes: int = 0) -> None:
         """Host work that needs nothing from the device (the offloaded optimizer's step): a wait of ``seconds``."""

@@ -155,7 +155,7 @@ def register_pinned(tensors: Iterable[torch.Tensor]) -> list[int]:
             continue
         try:
             torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, storage.nbytes(), 0))
-        except (RuntimeError, torch.cuda.CudaError) as e:
+        except RuntimeError as e:  # torch.cuda.CudaError among them
             log.debug("Host memory of %d bytes stays pageable: %r", storage.nbytes(), e)
             continue
         registered.append(address)

@@ -52,11 +52,6 @@ def test_a_waited_copy_sets_every_destination():
     assert all(torch.equal(a, b) for a, b in zip(destinations, sources))
 
 
-def test_without_cuda_nothing_is_registered(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert device_sync.register_pinned(tensors((4,))) == []
-
-
 @needs_gpu
 def test_on_a_gpu_shared_buffers_are_pinned_and_scaled_copies_give_the_hosts_bits(monkeypatch):
     """hivemind's shared host buffers, registered, read as pinned; a scaled copy from the GPU, cut into pieces of a
