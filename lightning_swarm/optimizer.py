@@ -35,9 +35,10 @@ import multiprocessing
 import threading
 import time
 from collections import Counter
-from concurrent.futures import InvalidStateError
+from concurrent.futures import Executor, Future, InvalidStateError
+from contextlib import contextmanager
 from functools import partial
-from typing import Any, Awaitable, Callable, Iterable, Mapping, Optional
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, Optional
 
 import hivemind
 import torch
@@ -700,6 +701,42 @@ class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaki
         return True
 
 
+class _InlineWhenAwaited(Executor):
+    """hivemind's step executor, except that a step its caller waits for in full runs in the caller's thread.
+
+    hivemind hands every step to its step thread, even a synchronous one that the caller then waits for: two thread
+    switches per step, each a wait for the GIL, on the path from one batch to the next. A step is run inline when
+    :meth:`awaited` says the caller will wait for all of it and no earlier step is still running (they run one at a
+    time, in order); any other goes to the thread, as in hivemind."""
+
+    def __init__(self, background: Executor) -> None:
+        self.background = background
+        self._caller = threading.local()
+
+    @contextmanager
+    def awaited(self, inline: bool) -> Iterator[None]:
+        """Steps submitted from this thread meanwhile run inline if ``inline``."""
+        self._caller.inline = inline
+        try:
+            yield
+        finally:
+            self._caller.inline = False
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        if not getattr(self._caller, "inline", False):
+            return self.background.submit(fn, *args, **kwargs)
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # as the thread's future would hold it; the caller reads it at once
+            future.set_exception(e)
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.background.shutdown(wait, cancel_futures=cancel_futures)
+
+
 class ConsistentStateAverager(
     _StartsByFork,
     TrainingStateAverager,
@@ -727,6 +764,28 @@ class ConsistentStateAverager(
         self.patience = request_timeout / 2  # a downloader waits request_timeout for the first part of the state
         on_gpu = any(tensor.is_cuda for tensor in self._local_tensors())
         self._pinned = device_sync.register_pinned(self._averaged_tensors) if on_gpu else []
+        self.step_executor = _InlineWhenAwaited(self.step_executor)
+
+    def step(
+        self,
+        *,
+        delay_optimizer_step: bool = False,
+        averaging_round: bool = False,
+        delay_averaging: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """hivemind's step; one that is not delayed in any part runs in this thread (:class:`_InlineWhenAwaited`)."""
+        delayed = delay_optimizer_step or (
+            averaging_round and (delay_optimizer_step if delay_averaging is None else delay_averaging)
+        )
+        running = any(not update.done() for update in self.pending_updates)
+        with self.step_executor.awaited(not delayed and not running):
+            return super().step(
+                delay_optimizer_step=delay_optimizer_step,
+                averaging_round=averaging_round,
+                delay_averaging=delay_averaging,
+                **kwargs,
+            )
 
     @torch.no_grad()
     def _load_local_tensors_into_averager_(self) -> None:

@@ -144,6 +144,27 @@ def test_the_optimizer_still_calls_the_overridden_methods_where_the_overrides_ex
     )
 
 
+def test_the_state_averager_hands_each_step_to_its_executor_and_waits_for_a_synchronous_one():
+    """ConsistentStateAverager runs a step in the caller's thread when hivemind's step waits for all of it: that
+    needs the delays among step's keywords, with hivemind's defaults (delay_averaging None: as the optimizer step),
+    the step handed to ``self.step_executor`` (made in ``__init__``), and its future waited for unless delayed."""
+    found = inspect.signature(TrainingStateAverager.step).parameters
+    defaults = {name: found[name].default for name in ("delay_optimizer_step", "averaging_round", "delay_averaging")}
+    assert defaults == {"delay_optimizer_step": False, "averaging_round": False, "delay_averaging": None}, (
+        f"hivemind {hivemind.__version__}: TrainingStateAverager.step{inspect.signature(TrainingStateAverager.step)} "
+        f"changed the delays ConsistentStateAverager.step reads; {PIN}"
+    )
+    assert "step_executor" in assigned_in(TrainingStateAverager.__init__)
+    calls = calls_in(TrainingStateAverager.step)
+    assert {"self.step_executor.submit", "pending_update.result"} <= calls, (
+        f"hivemind {hivemind.__version__}: TrainingStateAverager.step no longer runs each step through its executor "
+        f"and waits for a synchronous one; {PIN}"
+    )
+    assert "if delay_averaging is None:\n            delay_averaging = delay_optimizer_step" in inspect.getsource(
+        TrainingStateAverager.step
+    ), f"hivemind {hivemind.__version__}: step's default for delay_averaging changed; {PIN}"
+
+
 def test_the_state_averager_is_built_with_the_arguments_hivemind_gives_it():
     """SwarmOptimizer._make_state_averager repeats hivemind's arguments to build ConsistentStateAverager: an argument
     hivemind adds would be silently dropped."""

@@ -878,7 +878,8 @@ def test_a_stage_with_one_peer_steps_exactly_as_plain_training(delayed):
     """Alone, the stage optimizer steps on the mean of the gradients of the backward passes since its last step, as
     plain training with gradient accumulation does (the sum of the microbatches' gradients over their count):
     parameters equal a plain AdamW's, bit for bit, after each of three steps of two microbatches. (hivemind, alone
-    and synchronous, stepped on the last backward's gradients.)"""
+    and synchronous, stepped on the last backward's gradients.) A synchronous step runs in the caller's thread, a
+    delayed one in hivemind's step thread."""
     node = SwarmNode().start()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
@@ -886,6 +887,13 @@ def test_a_stage_with_one_peer_steps_exactly_as_plain_training(delayed):
     reference = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
     user = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     optimizer = swarm_optimizer(node.dht, "alone", user, 8, 1.0, 5.0, delayed=delayed)
+    stepping, threads = optimizer.state_averager.optimizer.step, []
+
+    def step_in_thread(*args, **kwargs):
+        threads.append(threading.get_ident())
+        return stepping(*args, **kwargs)
+
+    optimizer.state_averager.optimizer.step = step_in_thread
     try:
         for step in range(3):
             inputs = [torch.randn(4, 8) for _ in range(2)]
@@ -905,6 +913,8 @@ def test_a_stage_with_one_peer_steps_exactly_as_plain_training(delayed):
             assert optimizer.local_epoch == step + 1
             for mine, theirs in zip(model.parameters(), plain.parameters()):
                 assert torch.equal(mine, theirs), (step, (mine - theirs).abs().max())
+        here = threading.get_ident()
+        assert len(threads) == 3 and all((thread == here) != delayed for thread in threads), (threads, here)
     finally:
         optimizer.shutdown()
         node.shutdown()
