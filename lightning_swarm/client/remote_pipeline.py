@@ -492,13 +492,14 @@ class RemotePipeline(nn.Module):
                 self.router.stats.add(side_bytes_sent=protocol.payload_bytes(side.tensors))
         own, chained = {"keep": route.keys[0], **(first.metadata if first is not None else {})}, self._chained(onward)
         last = self.router.choose(route.stages[-1], check.batch)  # the last hop's peer, if it can take it
-        waiting = None
         if last is not None:
             onward[-1]["prefer"] = last
-            waiting = self._wait_for_parcel(route.stages[-1], last, chained["parcel"], check.batch)
         metadata = {"codec": self.codec, "train": route.train, **own, **chained}
+        waiting = None
         try:
-            chain = self._start_chain(route.stages[0], tensors, metadata, check.batch)
+            chain = self._start_chain(route.stages[0], tensors, metadata, check.batch)  # first: the device waits for it
+            if last is not None:
+                waiting = self._wait_for_parcel(route.stages[-1], last, chained["parcel"], check.batch)
             receipt = ReceiptCheck()
             if chain is not None and self._parcel_first(chain, waiting):
                 route.receipt = self._read_later(chain, partial(self._forward_receipt, route, chain, receipt, last))
@@ -616,12 +617,13 @@ class RemotePipeline(nn.Module):
         if loss_scale is not None:
             metadata["loss_scale"] = loss_scale
         receipt, batch, stage, peer = ReceiptCheck(), int(grad.size[0]), route.stages[hop], route.peers[hop]
-        waiting = self._wait_for_parcel(route.stages[0], route.peers[0], metadata["parcel"])
         first = route.inputs[0]
         check = _check_at(landing, batch, first.size, compression.decoded_dtype(first), loss_scale is None)
+        waiting: Optional[PendingCall] = None
         try:
             try:
-                chain = self.router.start_call(stage, peer, "backward", [grad], metadata, batch)
+                chain = self.router.start_call(stage, peer, "backward", [grad], metadata, batch)  # first: see forward
+                waiting = self._wait_for_parcel(route.stages[0], route.peers[0], metadata["parcel"])
                 if self._parcel_first(chain, waiting):
                     self._read_later(chain, partial(self._backward_receipt, hop, route, chain, receipt))
                     parked, failed = self._collect_parked(hop, route, 0, metadata["parcel"], check, waiting)
@@ -643,7 +645,8 @@ class RemotePipeline(nn.Module):
             parked, failed = self._collect_parked(hop, route, 0, metadata["parcel"], check, waiting)
             return (-1, parked, check.decoded, "") if parked is not None else (hop, grad, None, failed)
         finally:
-            waiting.cancel()  # a no-op once its parcel came; else the chain stopped before the first hop
+            if waiting is not None:
+                waiting.cancel()  # a no-op once its parcel came; else the chain stopped before the first hop
 
     def _backward_reached(self, hop: int, route: Route, receipt: Receipt) -> int:
         """The hop whose peer holds the parcel of a chained backward from ``hop``, as its receipt says, whose
