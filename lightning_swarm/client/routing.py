@@ -555,6 +555,7 @@ class StageRouter:
         call = PendingCall(self, stage, peer, load, batch, timeout + slack, timed)
         try:
             call.future = self.node.submit(self._request(stage, peer, method, tensors, metadata, timeout, chained))
+            time.sleep(0)  # let the event loop's thread, woken to send it, take the GIL now (a request a device awaits)
         except BaseException:
             call.cancel()
             raise
