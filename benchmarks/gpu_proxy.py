@@ -214,13 +214,15 @@ def phase_control(phases: list[dict], device: emu.EmulatedDevice) -> Any:
 
 class CpuSampler:
     """Each watched peer's CPU seconds (its process: all threads), and its helpers' (the processes of its session:
-    p2pd, hivemind's DHT and averagers), sampled every ``period`` seconds from /proc."""
+    p2pd, hivemind's DHT and averagers), sampled every ``period`` seconds from /proc. A helper that exits keeps the
+    CPU it was last seen with, so that the helpers' sum never falls."""
 
     def __init__(self, period: float = 0.1) -> None:
         self.period = period
         self.pids: dict[str, int] = {}
         self.series: dict[str, list[tuple[float, float, float]]] = {}
         self._members: dict[str, list[int]] = {}
+        self._helpers: dict[str, dict[tuple[int, str], float]] = {}  # by peer: (pid, start time) -> CPU last seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
         self._tick = os.sysconf("SC_CLK_TCK")
@@ -240,6 +242,14 @@ class CpuSampler:
         fields = self._stat(pid)
         return (int(fields[11]) + int(fields[12])) / self._tick if fields else 0.0
 
+    def _helpers_cpu(self, name: str) -> float:
+        seen = self._helpers.setdefault(name, {})
+        for pid in self._members.get(name, []):
+            fields = self._stat(pid)
+            if fields:  # keyed by start time too: a pid taken again by a new process is another helper
+                seen[(pid, fields[19])] = (int(fields[11]) + int(fields[12])) / self._tick
+        return sum(seen.values())
+
     def _refresh_members(self) -> None:
         sessions: dict[int, list[int]] = {}
         for entry in os.listdir("/proc"):
@@ -257,8 +267,7 @@ class CpuSampler:
                 self._refresh_members()
                 last_refresh = now
             for name, pid in list(self.pids.items()):
-                helpers = sum(self._cpu(p) for p in self._members.get(name, []))
-                self.series[name].append((now, self._cpu(pid), helpers))
+                self.series[name].append((now, self._cpu(pid), self._helpers_cpu(name)))
 
     def __enter__(self) -> CpuSampler:
         self._thread.start()

@@ -207,6 +207,32 @@ def test_two_processes_share_the_timeline(tmp_path):
         assert tail == pytest.approx(last) and synced >= last
 
 
+def test_a_helper_that_exits_keeps_its_cpu_in_the_helpers_sum():
+    """The proxy's CPU sampler counts a peer's helpers (the processes of its session); a helper that burned CPU and
+    exited keeps it in the sum, which never falls (a full run once showed a negative helpers' figure)."""
+    from gpu_proxy import CpuSampler
+
+    burner = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"
+    leader = f"import subprocess, sys, time\nsubprocess.run([sys.executable, '-c', {burner!r}])\ntime.sleep(30)"
+    peer = subprocess.Popen([sys.executable, "-c", leader], start_new_session=True)
+    sampler = CpuSampler(period=0.05)
+    sampler.watch("peer", peer.pid)
+    try:
+        with sampler:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and len(sampler._members.get("peer", [])) == 0:
+                time.sleep(0.05)
+            while time.monotonic() < deadline and sampler._members.get("peer"):
+                time.sleep(0.05)  # until the burner has exited and the members were read again
+            time.sleep(0.5)
+    finally:
+        peer.kill()
+        peer.wait()
+    helpers = [sample[2] for sample in sampler.series["peer"]]
+    assert all(later >= earlier for earlier, later in zip(helpers, helpers[1:])), helpers
+    assert helpers[-1] - helpers[0] >= 0.3, helpers  # the burner's half second, less what ran before sampling
+
+
 def test_gpu_proxy_quick(tmp_path):
     """``gpu_proxy.py --quick``, with 10 ms added to every message between peers: the device was busy exactly for
     the kernels the run launched, the blocks for the calibrated time of the samples the trainer trained (each stage
