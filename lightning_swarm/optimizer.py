@@ -729,8 +729,10 @@ class _InlineWhenAwaited(Executor):
         future.set_running_or_notify_cancel()
         try:
             future.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # as the thread's future would hold it; the caller reads it at once
+        except Exception as e:  # as the thread's future would hold it; the caller reads it at once
             future.set_exception(e)
+        # anything else (KeyboardInterrupt) goes up: held in the future, hivemind's step would wait for an event that
+        # the interrupted step never set
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:

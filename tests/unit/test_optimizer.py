@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import InvalidStateError
+from concurrent.futures import InvalidStateError, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import AsyncIterator, Iterator
@@ -918,6 +918,30 @@ def test_a_stage_with_one_peer_steps_exactly_as_plain_training(delayed):
     finally:
         optimizer.shutdown()
         node.shutdown()
+
+
+def test_a_step_run_inline_fails_as_in_the_step_thread_and_is_interrupted_at_once():
+    """A step run inline hands its error to its future, as hivemind's step thread does; an interrupt is not held
+    there (hivemind's step would then wait for an event the interrupted step never set): it goes up at once."""
+    background = ThreadPoolExecutor(1)
+    executor = optimizer_module._InlineWhenAwaited(background)
+    try:
+
+        def fails():
+            raise ValueError("step failed")
+
+        def interrupted():
+            raise KeyboardInterrupt
+
+        with executor.awaited(True):
+            assert executor.submit(threading.get_ident).result() == threading.get_ident()
+            with pytest.raises(ValueError, match="step failed"):
+                executor.submit(fails).result()
+            with pytest.raises(KeyboardInterrupt):
+                executor.submit(interrupted)
+        assert executor.submit(threading.get_ident).result(timeout=5) != threading.get_ident()
+    finally:
+        executor.shutdown()
 
 
 def test_accumulation_weighs_each_backward_by_its_batch_as_hivemind_does():
