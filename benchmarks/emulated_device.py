@@ -192,6 +192,7 @@ class Timeline:
         self.own_lock = threading.Lock()  # this process's own log, and its streams' tails (EmulatedDevice)
         self._own: Optional[_Log] = None  # this process's, made at its first record
         self._own_pid = 0
+        self._others: dict[str, _Log] = {}  # the processes' own logs, as read by records()
 
     @classmethod
     def create(cls, path: os.PathLike, capacity: int = 1 << 20) -> Timeline:
@@ -263,7 +264,11 @@ class Timeline:
         return start + seconds
 
     def _logs(self) -> list[_Log]:
-        return [self._shared] + [_Log(path) for path in sorted(glob.glob(f"{glob.escape(self.path)}.*"))]
+        """The device's log and each process's, each mapped once (a reader's maps stay open until it is gone)."""
+        for path in sorted(glob.glob(f"{glob.escape(self.path)}.*")):
+            if path not in self._others:
+                self._others[path] = _Log(path)
+        return [self._shared, *self._others.values()]
 
     def records(self) -> np.ndarray:
         """A copy of the records so far: the device's, then each process's own."""

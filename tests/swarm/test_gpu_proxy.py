@@ -212,14 +212,14 @@ def test_a_helper_that_exits_keeps_its_cpu_in_the_helpers_sum():
     exited keeps it in the sum, which never falls (a full run once showed a negative helpers' figure)."""
     from gpu_proxy import CpuSampler
 
-    burner = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"
+    burner = "import time\nt = time.process_time()\nwhile time.process_time() - t < 2.5: pass"  # seen by 2 reads
     leader = f"import subprocess, sys, time\nsubprocess.run([sys.executable, '-c', {burner!r}])\ntime.sleep(30)"
     peer = subprocess.Popen([sys.executable, "-c", leader], start_new_session=True)
     sampler = CpuSampler(period=0.05)
     sampler.watch("peer", peer.pid)
     try:
         with sampler:
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 60
             while time.monotonic() < deadline and len(sampler._members.get("peer", [])) == 0:
                 time.sleep(0.05)
             while time.monotonic() < deadline and sampler._members.get("peer"):
@@ -230,7 +230,7 @@ def test_a_helper_that_exits_keeps_its_cpu_in_the_helpers_sum():
         peer.wait()
     helpers = [sample[2] for sample in sampler.series["peer"]]
     assert all(later >= earlier for earlier, later in zip(helpers, helpers[1:])), helpers
-    assert helpers[-1] - helpers[0] >= 0.3, helpers  # the burner's half second, less what ran before sampling
+    assert helpers[-1] - helpers[0] >= 1.0, helpers  # the burner's 2.5 s, less what it ran before it was seen
 
 
 def test_gpu_proxy_quick(tmp_path):
