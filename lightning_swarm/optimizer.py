@@ -643,14 +643,25 @@ class BoundedGradientAverager(_StartsByFork, GradientAverager, _BoundedMatchmaki
         on_gpu = any(param.is_cuda for param in self.parameters)
         self._pinned = device_sync.register_pinned(self._averaged_tensors) if on_gpu else []
 
+    @property
+    def mean_scale(self) -> float:
+        """What turns the accumulators into the mean gradient per sample. Each backward was added times its batch
+        over the first backward's (hivemind's weights), so the sum is divided by the samples over that first batch.
+        hivemind divides by the count of backwards, the same figure only when every backward had the first one's
+        batch; with unequal ones (trainers of different batch sizes at one stage, a short last batch) its step's
+        gradient was off by the first batch times the count over the samples, a factor that changed from step to
+        step with the order the backwards came in."""
+        if not self.local_samples_accumulated:
+            return 0.0
+        return self._anchor_batch_size / self.local_samples_accumulated  # equal batches: exactly 1 / count
+
     @torch.no_grad()
     def load_accumulators_into_averager_(self) -> None:
-        """hivemind's load of the accumulated gradients, divided by the backwards accumulated, into the buffers the
-        all-reduce reads: on a GPU scaled on the device and copied into pinned memory (``device_sync.copy_scaled``),
-        done before the averager's process may read them."""
-        scale = 1.0 / self.local_times_accumulated if self.local_times_accumulated else 0.0
+        """hivemind's load of the accumulated gradients, as their mean per sample (:attr:`mean_scale`), into the
+        buffers the all-reduce reads: on a GPU scaled on the device and copied into pinned memory
+        (``device_sync.copy_scaled``), done before the averager's process may read them."""
         with self.get_tensors() as averaged:
-            device_sync.copy_scaled(averaged, list(self._grad_accumulators()), scale)
+            device_sync.copy_scaled(averaged, list(self._grad_accumulators()), self.mean_scale)
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -934,21 +945,20 @@ class SwarmOptimizer(hivemind.Optimizer):
         return began or (self.scheduled_grads is None and not self.offload_optimizer)
 
     def _load_local_gradients_into_optimizer(self) -> None:
-        """This peer's accumulated gradients, divided by the backward passes accumulated (hivemind's scaling), into
+        """This peer's accumulated gradients, as their mean per sample (``BoundedGradientAverager.mean_scale``), into
         ``.grad`` on the parameters' device. hivemind copies them into the averager's shared host memory, scales them
         there on one thread and copies them back; the host optimizer of delayed updates still reads them there."""
         if self.offload_optimizer:
             super()._load_local_gradients_into_optimizer()
             return
         averager = self.grad_averager
-        scale = 1.0 / averager.local_times_accumulated if averager.local_times_accumulated else 0.0
         for param in averager.parameters:
             if param.grad is None:
                 param.grad = torch.empty_like(param)
         grads = [param.grad for param in averager.parameters]
         with torch.no_grad():  # multi-tensor calls: a few kernel launches, not two per parameter tensor
             torch._foreach_copy_(grads, list(averager._grad_accumulators()))
-            torch._foreach_mul_(grads, scale)
+            torch._foreach_mul_(grads, averager.mean_scale)
         averager.notify_used_averaged_gradients()
 
     def _update_global_epoch(self, grad_scaler: Any) -> None:

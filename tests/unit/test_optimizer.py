@@ -920,6 +920,35 @@ def test_a_stage_with_one_peer_steps_exactly_as_plain_training(delayed):
         node.shutdown()
 
 
+def test_a_stage_steps_on_the_mean_gradient_per_sample_whatever_the_batches_of_its_backwards():
+    """Backwards of unequal batches (trainers of different batch sizes at one stage, a short last batch) step on the
+    gradient of the mean loss over all their samples, as plain training on those samples does, whichever batch came
+    first. hivemind divided the sum by the count of backwards: 1, 3 and 4 samples in that order stepped on 8/3 of the
+    gradient, 4, 3 and 1 on 2/3 of it. Plain SGD, whose step is proportional to the gradient, compares them."""
+    node = SwarmNode().start()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    plain = copy.deepcopy(model)
+    reference = torch.optim.SGD(plain.parameters(), lr=0.5)
+    optimizer = swarm_optimizer(node.dht, "unequal", torch.optim.SGD(model.parameters(), lr=0.5), 8, 1.0, 5.0)
+    try:
+        for step, sizes in enumerate(([1, 3, 4], [4, 3, 1])):
+            inputs = [torch.randn(size, 8) for size in sizes]
+            for x in inputs:
+                model(x).square().mean().backward()
+                optimizer.step(batch_size=len(x))
+                optimizer.zero_grad()
+            plain.zero_grad()
+            plain(torch.cat(inputs)).square().mean().backward()
+            reference.step()
+            assert optimizer.local_epoch == step + 1
+            for mine, theirs in zip(model.parameters(), plain.parameters()):
+                torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    finally:
+        optimizer.shutdown()
+        node.shutdown()
+
+
 def test_a_step_run_inline_fails_as_in_the_step_thread_and_is_interrupted_at_once():
     """A step run inline hands its error to its future, as hivemind's step thread does; an interrupt is not held
     there (hivemind's step would then wait for an event the interrupted step never set): it goes up at once."""
