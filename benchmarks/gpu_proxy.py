@@ -238,16 +238,20 @@ class CpuSampler:
         except OSError:
             return None
 
+    def _seconds(self, fields: list[str]) -> float:
+        """User and system CPU seconds from a /proc stat line's fields (after the name)."""
+        return (int(fields[11]) + int(fields[12])) / self._tick
+
     def _cpu(self, pid: int) -> float:
         fields = self._stat(pid)
-        return (int(fields[11]) + int(fields[12])) / self._tick if fields else 0.0
+        return self._seconds(fields) if fields else 0.0
 
     def _helpers_cpu(self, name: str) -> float:
         seen = self._helpers.setdefault(name, {})
         for pid in self._members.get(name, []):
             fields = self._stat(pid)
             if fields:  # keyed by start time too: a pid taken again by a new process is another helper
-                seen[(pid, fields[19])] = (int(fields[11]) + int(fields[12])) / self._tick
+                seen[(pid, fields[19])] = self._seconds(fields)
         return sum(seen.values())
 
     def _refresh_members(self) -> None:
