@@ -286,10 +286,7 @@ class CountingProgressTracker(ProgressTracker):
     Within an epoch, this peer's reports of more samples are stored at most every ``min_refresh_period`` seconds
     (:class:`CoalescedSignal`), the shortest period at which partners fetch the progress: hivemind stores one per
     call, one per microbatch. So is its entry into a new epoch: its first samples there, which go at once, usually
-    follow within a microbatch and store both. A reset goes at once. A peer with no other record in its progress
-    (as last fetched) holds all its reports so: no partner's round counts on them, and a store made at once lands
-    where a step ends, when the DHT's and the daemons' CPU is taken from the next batch's first requests
-    (``benchmarks/RESULTS.md``, "Progress reports of a peer alone").
+    follow within a microbatch and store both. A reset goes at once.
     """
 
     def __init__(
@@ -334,7 +331,7 @@ class CountingProgressTracker(ProgressTracker):
         previous = self.local_progress
         more = local_epoch == previous.epoch and samples_accumulated > previous.samples_accumulated > 0
         entered = local_epoch > previous.epoch and samples_accumulated == 0
-        self.should_report_progress.coalescing = more or entered or not self._records
+        self.should_report_progress.coalescing = more or entered
         try:
             super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
         finally:
