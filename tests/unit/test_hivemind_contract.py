@@ -210,7 +210,7 @@ def test_what_the_overrides_read_and_write_on_hivemind_objects_is_still_there():
         ProgressTracker: ["performance_ema", "local_progress", "dht", "target_batch_size", "global_epoch"],
         DecentralizedAverager: ["matchmaking_kwargs", "state_sharing_priority", "_outer_pipe"],
         TrainingStateAverager: ["pending_updates", "lock_optimizer", "main_parameters", "local_epoch"],
-        GradientAverager: ["local_samples_accumulated"],
+        GradientAverager: ["local_samples_accumulated", "_anchor_batch_size"],  # BoundedGradientAverager.mean_scale
     }
     for cls, names in needs.items():
         have = {n for klass in cls.__mro__ if klass.__module__.startswith("hivemind") for n in vars(klass)}
