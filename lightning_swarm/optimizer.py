@@ -1166,7 +1166,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         return sum(self.allreduce_sizes.values()) + self.failed_rounds
 
     def progress(self) -> dict:
-        """This peer's epoch, steps taken, and gradient all-reduces by group size (string keys, for msgpack)."""
+        """This peer's epoch, steps taken, gradient all-reduces by group size (string keys, for msgpack), and whether
+        its parameters may differ from its partners' until it downloads their state (next step or idle moment)."""
         sizes = {str(k): v for k, v in self.allreduce_sizes.items()}
         return dict(
             epoch=self.local_epoch,
@@ -1174,6 +1175,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             allreduce_sizes=sizes,
             failed_rounds=self.failed_rounds,
             failed_round_seconds=self.failed_round_seconds,
+            out_of_sync=self._out_of_sync,
         )
 
     def apply_finished_update(self, wait: bool = False) -> None:

@@ -284,7 +284,11 @@ def test_peers_of_a_stage_all_reduce_and_stay_together(swarm, tmp_path, delayed)
             assert swarm.wait(f"trainer{i}", timeout=300) == 0, swarm.peers[f"trainer{i}"].log()[-3000:]
 
         deadline = time.monotonic() + 30  # an idle peer catches up within a few idle periods
-        while len({client.info()["epoch"] for client in clients}) > 1 and time.monotonic() < deadline:
+
+        def settled(infos: list[dict]) -> bool:  # same epoch, and no peer left to download after a partial round
+            return len({info["epoch"] for info in infos}) == 1 and not any(info["out_of_sync"] for info in infos)
+
+        while not settled([client.info() for client in clients]) and time.monotonic() < deadline:
             time.sleep(0.5)
         infos = [client.info() for client in clients]
         states = [client.state() for client in clients]
@@ -292,7 +296,7 @@ def test_peers_of_a_stage_all_reduce_and_stay_together(swarm, tmp_path, delayed)
         apart = max((states[0][k] - states[1][k]).abs().max().item() for k in initial)
         print(f"stage 1 peers: {infos}; moved {moved:.4f}, apart {apart:.2e}")
         assert all(info["backward_samples"] > 0 for info in infos), "a peer of stage 1 never got work"
-        assert infos[0]["epoch"] == infos[1]["epoch"] > 0
+        assert settled(infos) and infos[0]["epoch"] > 0
         assert any(info["allreduce_sizes"].get("2", 0) > 0 for info in infos), "the peers never all-reduced"
         # a round that failed let each peer step alone on its own gradients: up to about one step's movement apart
         alone = max(info["failed_rounds"] for info in infos) / max(info["steps"] for info in infos)

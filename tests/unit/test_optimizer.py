@@ -834,7 +834,9 @@ def test_a_round_of_peers_all_without_weight_averages_to_nan_and_a_joiner_then_s
         with optimizer.grad_averager.get_tensors() as averaged:
             assert all(torch.equal(tensor, torch.zeros_like(tensor)) for tensor in averaged)
         assert (optimizer.failed_rounds, dict(optimizer.allreduce_sizes)) == (1, {})
+        assert optimizer.progress()["out_of_sync"]  # shown in rpc_info until its download
         assert optimizer._should_load_state_from_peers()
+        assert not optimizer.progress()["out_of_sync"]
     finally:
         optimizer.shutdown()
         node.shutdown()
