@@ -888,7 +888,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         self._failed_at: Optional[float] = None  # when a background round failed, until the foreground next waits
         self._expected_group = 1  # the peers counted on for the current gradient round, this one included
         self._out_of_sync = False  # its parameters may differ from its partners': it downloads their state next
-        self._only_holder_until = -math.inf  # until then, epochs ahead of this peer's are those of dead peers
+        self._only_holder_until = -math.inf  # until then, it may take the epoch its stage's dead holders left
+        self._dead_holders_epoch: Optional[int] = None  # that epoch (None: none to take)
         self.pace = StepPace(self.run_id, self.matchmaking_time, self.tracker.target_batch_size)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
@@ -916,6 +917,9 @@ class SwarmOptimizer(hivemind.Optimizer):
             client_mode=self.client_mode,
             auxiliary=self.auxiliary,
             start=True,
+            # a state round may pair peers an epoch apart (one whose last step had no state round runs ahead): both
+            # then take the newer epoch, so that equal parameters carry equal epochs
+            sync_epoch_when_averaging=True,
             **kwargs,
         )
 
@@ -1128,21 +1132,24 @@ class SwarmOptimizer(hivemind.Optimizer):
         (``metadata_expiration``); a peer whose epoch is behind downloads the state before stepping, and with nobody
         alive to download from, every step tried, failed and dropped its gradients until then (16 s of a test swarm's
         refill, 2 minutes with the default settings). Until those records expired, this peer takes their epoch once
-        instead, with its own state, as hivemind's peers take the swarm's after a download; a peer ahead of it after
-        that is a live one, downloaded from as usual.
+        instead, with its own state, as hivemind's peers take the swarm's after a download. That epoch is the one the
+        records show now: a peer ahead of it later is a live one (it joined since, and stepped without this peer),
+        downloaded from as usual. (Taking whatever epoch showed during that time, a stage's first peer took the epoch of
+        a second peer that had stepped first, without its update: one step apart, in one of a few CI runs.)
         """
+        epoch = self.tracker.global_epoch
+        self._dead_holders_epoch = epoch if epoch > self.local_epoch else None
         self._only_holder_until = time.monotonic() + self.tracker.metadata_expiration
 
     def _should_load_state_from_peers(self) -> bool:
         if self._out_of_sync:
             self._out_of_sync = False  # one download: it may fail, or bring an older state (then it is kept)
             return True
-        if time.monotonic() < self._only_holder_until:
-            if self.local_epoch < self.tracker.global_epoch:  # taken once: a later peer ahead is a live one
-                self.state_averager.local_epoch = self.tracker.global_epoch
+        dead_holders_epoch, self._dead_holders_epoch = self._dead_holders_epoch, None  # taken once, if at all
+        if dead_holders_epoch is not None and time.monotonic() < self._only_holder_until:
+            if self.local_epoch < dead_holders_epoch:
+                self.state_averager.local_epoch = dead_holders_epoch
                 self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
-                self._only_holder_until = -math.inf
-            return False
         if self.delay_grad_averaging and (self.grad_averager.local_samples_accumulated > 0 or self._awaited()):
             # a peer's new epoch shows as soon as it schedules its step, while that step's all-reduce still
             # assembles in the background: a peer one epoch behind with gradients joins it (hivemind's rule), and so

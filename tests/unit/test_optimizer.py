@@ -763,6 +763,49 @@ def test_a_peer_that_refills_a_stage_takes_the_epoch_of_its_dead_holder_at_its_f
             optimizer.shutdown()
 
 
+def test_the_first_holder_of_a_stage_takes_no_live_partners_epoch(monkeypatch):
+    """A stage's first peer starts as its only holder, with no dead holders' records to take an epoch from. A second
+    peer that joined since, and stepped first, shows a newer epoch: that is a live peer's, and the first must download
+    its state (its update with it), not take its epoch with its own parameters. (It took it, and the two stayed one
+    step apart: in a CI run, 0.25 of training's movement after 4 steps.)"""
+    node = SwarmNode().start()
+    model, optimizer = _optimizer(node, 0, "fresh_stage")
+    try:
+        optimizer.start_as_only_holder()  # a fresh run: nobody's records
+        monkeypatch.setattr(type(optimizer.tracker), "global_epoch", property(lambda tracker: 1))
+        assert optimizer._should_load_state_from_peers() and optimizer.local_epoch == 0
+    finally:
+        optimizer.shutdown()
+        node.shutdown()
+
+
+def test_a_state_round_of_peers_an_epoch_apart_leaves_both_at_the_newer_epoch():
+    """A parameter round may pair two peers an epoch apart (with delayed updates, one whose last step had no such
+    round runs ahead): they leave with equal parameters, and so with one epoch, the newer. (Each kept its own, and
+    the two stepped on in lockstep, equal parameters under epochs one apart, until training ended with one step
+    more on one of them.)"""
+    first = SwarmNode().start()
+    second = SwarmNode(first.visible_maddrs()).start()
+    (_, behind), (_, ahead) = _optimizer(first, 0, "epochs_apart"), _optimizer(second, 1, "epochs_apart")
+    try:
+        behind.state_averager.local_epoch, ahead.state_averager.local_epoch = 1, 2
+        with ThreadPoolExecutor(2) as pool:
+            rounds = [
+                pool.submit(o.state_averager.step, averaging_round=True, averaging_opts=dict(timeout=30.0))
+                for o in (behind, ahead)
+            ]
+            for averaged in rounds:
+                averaged.result(timeout=60)
+        assert (behind.local_epoch, ahead.local_epoch) == (2, 2)
+        for mine, theirs in zip(behind.state_averager.main_parameters, ahead.state_averager.main_parameters):
+            assert torch.allclose(mine, theirs, rtol=0, atol=1e-6)
+    finally:
+        for o in (behind, ahead):
+            o.shutdown()
+        for node in (second, first):
+            node.shutdown()
+
+
 class JoinedWithoutWeight:
     """What the control of a round that this peer joined with no weight reads once it is over: done, two peers."""
 
