@@ -20,7 +20,9 @@ its timed ones. Per phase:
   trainer's step), and the pipeline's turnarounds (nothing queued: between batches, or with the hops in flight);
 - the hop latency from one stage's compute ending to the next stage's starting, p50, and its parts (sender finishing
   its request, encoding and replying, the reply's transfer, the trainer's check, its send and the transfer, the
-  receiver's decoding, queue wait, launch and device wait);
+  receiver's decoding, queue wait, launch and device wait); and the hop less the device's other work meanwhile, p50
+  ("idle"): one emulated device serves both stages, so a hop also waits behind the other stage's kernels, which
+  keep the device busy and would run on a device of their own with a device per stage;
 - each process's framework CPU seconds per batch: its CPU time less the emulated launch holds (and sync spins), and
   its helper processes' (p2pd, hivemind's DHT and averagers) apart.
 
@@ -45,6 +47,7 @@ hop p50 <= 2 ms at 2 MiB; turnarounds <= 5% and step stall <= 5% of ideal with a
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import runpy
@@ -374,6 +377,15 @@ def intersect(a: Intervals, b: Intervals) -> Intervals:
     return out
 
 
+def covered(intervals: Intervals, starts: Sequence[float], lo: float, hi: float) -> float:
+    """How much of [lo, hi] the sorted, disjoint ``intervals`` (their ``starts``) cover."""
+    out, i = 0.0, max(0, bisect.bisect_right(starts, lo) - 1)
+    while i < len(intervals) and intervals[i][0] < hi:
+        out += max(0.0, min(intervals[i][1], hi) - max(intervals[i][0], lo))
+        i += 1
+    return out
+
+
 def subtract(a: Intervals, b: Intervals) -> Intervals:
     """``a`` less ``b`` (sorted, disjoint lists)."""
     out, j = [], 0
@@ -465,6 +477,7 @@ def analyse(run: dict, phases: list[dict], calibration: emu.Calibration, d_model
         in_decode = intersect(subtract(subtract(idle_queued, starting), waiting), decoding)
 
         hops, parts = [], {p: [] for p in HOP_PARTS}
+        idle_hops, busy_starts = [], [s for s, _ in busy]  # a hop less the device's other work meanwhile
         for route in routes[(routes["t0"] >= start) & (routes["t0"] <= end)]:
             keys = {0: int(route["key"]), 1: int(route["key2"])}
             for code, (a, b) in ((1, (0, 1)), (2, (1, 0))):  # forward: stage 0 -> 1; backward: 1 -> 0
@@ -473,6 +486,7 @@ def analyse(run: dict, phases: list[dict], calibration: emu.Calibration, d_model
                     continue
                 hop = first[dst] - last[src]
                 hops.append(hop)
+                idle_hops.append(hop - covered(busy, busy_starts, last[src], first[dst]))
                 stamps = _hop_stamps(
                     src, dst, code, last, first, serve, handovers, answer, calls, checks, arrive, submit
                 )
@@ -518,6 +532,9 @@ def analyse(run: dict, phases: list[dict], calibration: emu.Calibration, d_model
                 "hops": {
                     "count": len(hops),
                     "p50": statistics.median(hops) if hops else None,
+                    # the part of a hop that left the device idle: one device serves both stages here, so a hop
+                    # also waits for the other stage's kernels, which a device per stage would not
+                    "idle_p50": statistics.median(idle_hops) if idle_hops else None,
                     "parts_p50": {k: statistics.median(v) for k, v in parts.items() if v},
                     "parts_mean": {k: statistics.fmean(v) for k, v in parts.items() if v},
                 },
@@ -756,6 +773,8 @@ def summary_rows(rows: list[dict]) -> list[list[str]]:
         mb = f"auto ({r['count']})" if r["microbatches"] == "auto" else str(r["microbatches"])
         hop = r["hops"]
         hop_cell = "-" if hop["p50"] is None else f"{1e3 * hop['p50']:.2f} ({r['message_bytes'] / 2**20:.2g} MiB)"
+        if hop.get("idle_p50") is not None:
+            hop_cell += f", {1e3 * hop['idle_p50']:.2f} idle"
         cpu = " / ".join(f"{r['cpu'][n]['framework'] / r['ideal']:.2f}" for n in PROCS if n in r["cpu"])
         out.append(
             [
@@ -787,7 +806,7 @@ HEADER = [
     "idle: turnaround",
     "idle: step",
     "queued gap p50 ms",
-    "hop p50 ms (message)",
+    "hop p50 ms (message, idle part)",
     "framework CPU / ideal: stage 0 / stage 1 / trainer",
 ]
 

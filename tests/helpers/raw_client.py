@@ -101,13 +101,18 @@ class RawClient:
 
     def state(self) -> dict[str, torch.Tensor]:
         """The stage's state dict, streamed by rpc_state (as StageRouter.fetch_state reads it)."""
+        return self.state_and_step()[0]
+
+    def state_and_step(self) -> tuple[dict[str, torch.Tensor], int | None]:
+        """:meth:`state`, and the optimizer step (epoch) it is at (None: the peer does not train)."""
         request = runtime_pb2.ExpertRequest(uid=self.uid)
 
         async def go():
             return await protocol.receive_stream(await self.stub.rpc_state(request), TIMEOUT, "rpc_state")
 
         tensors, metadata = self.node.run(go(), TIMEOUT + 5)
-        return {k: compression.deserialize(t) for k, t in zip(metadata["keys"], tensors, strict=True)}
+        state = {k: compression.deserialize(t) for k, t in zip(metadata["keys"], tensors, strict=True)}
+        return state, metadata["step"]
 
 
 def wait_until_serving(client: RawClient, peer, timeout: float = 90.0) -> dict:

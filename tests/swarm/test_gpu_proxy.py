@@ -262,6 +262,7 @@ def test_gpu_proxy_quick(tmp_path):
         gaps = row["queued_gaps"]
         assert gaps["at_worker"] + gaps["in_queue"] + gaps["decoding"] == pytest.approx(idle["queued"], abs=1e-9)
         assert row["hops"]["count"] > 0 and row["hops"]["p50"] > 0, row
+        assert 0 <= row["hops"]["idle_p50"] <= row["hops"]["p50"], row  # each hop's idle part is within it
         assert all(0.010 <= end < row["actual"] for end in row["ends"].values()), row  # the parcel's way back
         assert set(row["cpu"]) == {"stage0", "stage1", "trainer"}
         assert all(math.isfinite(c["framework"]) and c["holds"] >= 0 for c in row["cpu"].values()), row
