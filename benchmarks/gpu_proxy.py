@@ -773,7 +773,7 @@ def summary_rows(rows: list[dict]) -> list[list[str]]:
         mb = f"auto ({r['count']})" if r["microbatches"] == "auto" else str(r["microbatches"])
         hop = r["hops"]
         hop_cell = "-" if hop["p50"] is None else f"{1e3 * hop['p50']:.2f} ({r['message_bytes'] / 2**20:.2g} MiB)"
-        if hop.get("idle_p50") is not None:
+        if hop["idle_p50"] is not None:
             hop_cell += f", {1e3 * hop['idle_p50']:.2f} idle"
         cpu = " / ".join(f"{r['cpu'][n]['framework'] / r['ideal']:.2f}" for n in PROCS if n in r["cpu"])
         out.append(

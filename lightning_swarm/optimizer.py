@@ -1135,7 +1135,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         instead, with its own state, as hivemind's peers take the swarm's after a download. That epoch is the one the
         records show now: a peer ahead of it later is a live one (it joined since, and stepped without this peer),
         downloaded from as usual. (Taking whatever epoch showed during that time, a stage's first peer took the epoch of
-        a second peer that had stepped first, without its update: one step apart, in one of a few CI runs.)
+        a second peer that had stepped first, without its update, and stayed one step apart from it.)
         """
         epoch = self.tracker.global_epoch
         self._dead_holders_epoch = epoch if epoch > self.local_epoch else None

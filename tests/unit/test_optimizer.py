@@ -767,7 +767,7 @@ def test_the_first_holder_of_a_stage_takes_no_live_partners_epoch(monkeypatch):
     """A stage's first peer starts as its only holder, with no dead holders' records to take an epoch from. A second
     peer that joined since, and stepped first, shows a newer epoch: that is a live peer's, and the first must download
     its state (its update with it), not take its epoch with its own parameters. (It took it, and the two stayed one
-    step apart: in a CI run, 0.25 of training's movement after 4 steps.)"""
+    step apart: seen in a two-peer stage's step logs.)"""
     node = SwarmNode().start()
     model, optimizer = _optimizer(node, 0, "fresh_stage")
     try:
