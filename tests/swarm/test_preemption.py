@@ -86,8 +86,8 @@ def test_sigterm_mid_training_leaves_in_time_and_loses_no_microbatch(swarm, tmp_
 @pytest.mark.timeout(600)
 def test_chaos_kills_and_restarts(swarm, tmp_path):
     """While a trainer runs a fixed number of steps, a seeded schedule kills stage peers (SIGKILL and SIGTERM, 6
-    times) and starts replacements. A stage keeps at least one live peer (a stage whose last peer died would
-    restart from scratch). The run completes every step, the loss falls, peers told to stop leave in time, and
+    times) and starts replacements. A stage keeps at least one live, serving peer (a stage whose last peer died
+    would restart from scratch). The run completes every step, the loss falls, peers told to stop leave in time, and
     nothing hangs."""
     rng = random.Random(7)
     env = {**FAST, "SWARM_NUM_STAGES": "2", "SWARM_TARGET_BATCH_SIZE": "16", "SWARM_LEAVE_TIMEOUT": str(LEAVE_TIMEOUT)}
@@ -112,11 +112,17 @@ def test_chaos_kills_and_restarts(swarm, tmp_path):
     starting: list[threading.Thread] = []
     for i in range(events):
         wait_for_steps(swarm, "trainer", record, 10 + 10 * i)
-        while True:  # a victim whose stage keeps another live, reachable peer
-            # a replacement may not be launched yet; and Popen.poll() says "running" while another thread polls
+        while True:  # a victim whose stage keeps another live, serving peer
+            # a replacement may not be launched yet, or may still be downloading its stage (reachable, not serving:
+            # killing the last serving peer then leaves the trainer only a dead one to retry, which fails its
+            # step); and Popen.poll() says "running" while another thread polls
             killed = {victim for _, _, victim in kills}
             peers = {n: swarm.peers.get(n) for n in stage_of if n not in killed}
-            alive = {n: stage_of[n] for n, p in peers.items() if p is not None and p.alive() and p.addresses()}
+            alive = {
+                n: stage_of[n]
+                for n, p in peers.items()
+                if p is not None and p.alive() and f"Serving stage {stage_of[n]}" in p.log()
+            }
             victims = [n for n, s in alive.items() if sum(1 for t in alive.values() if t == s) >= 2]
             if victims:
                 break
