@@ -193,6 +193,8 @@ class DirectServer(ServicerBase):
             await self.remove_p2p_handlers(p2p, namespace=self.run_id)
         for task in list(self._tasks):
             task.cancel()
+        if self._tasks:  # the sockets are closed once no task is inside a call on them (bounded: stop has 5 s)
+            await asyncio.wait(list(self._tasks), timeout=2.0)
         if self._context is not None:
             self._context.destroy(linger=0)
             self._context = None
